@@ -1,0 +1,122 @@
+"""Independent reference for isolated-mode semantics (DESIGN.md §2), on plain HF transformers.
+
+Two computations that share nothing with graphchunk's serving path except ``Layout``:
+- the masked full forward: the whole prompt in one pass with an explicit 4D additive mask from
+  ``Layout.attention_allowed`` and ``position_ids`` from ``Layout.positions``;
+- the incremental form: every chunk prefilled as its own ``sys ‖ chunk`` sequence with ordinary
+  causal attention, the KV concatenated, and the question run over it (what a cache does).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+from graphchunk.layout import Layout  # noqa: E402
+
+# Per layer (keys, values), each [batch, kv_heads, tokens, head_dim].
+LayerKV = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class OracleResult:
+    tokens: list[int]
+    last_logits: torch.Tensor  # [vocab] fp32: the logits the last generated token was chosen from
+
+
+class Oracle:
+    """HF model with eager attention, so a custom 4D float mask is added to the scores exactly."""
+
+    def __init__(self, model_path: str | Path, dtype: torch.dtype = torch.float32):
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=dtype, attn_implementation="eager"
+        ).eval()
+        self.dtype = dtype
+        eos = self.model.generation_config.eos_token_id
+        self.eos_token_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+
+    @torch.inference_mode()
+    def prefill_logits(self, token_ids: list[int], layout: Layout) -> torch.Tensor:
+        """Logits [T, vocab] (fp32) of every prompt token under the isolated mask and positions."""
+        _check_length(token_ids, layout)
+        out = self._forward(token_ids, layout.positions(), layout.attention_allowed())
+        return out.logits[0].float()
+
+    @torch.inference_mode()
+    def generate(self, token_ids: list[int], layout: Layout, max_new_tokens: int,
+                 ignore_eos: bool = False) -> OracleResult:
+        """Greedy decoding; generated token n sits at position S+M+Q+n and attends to everything
+        before it. Stops after an EOS token unless ``ignore_eos`` (as vLLM's SamplingParams)."""
+        _check_length(token_ids, layout)
+        if max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+        cache = transformers.DynamicCache(config=self.model.config)
+        out = self._forward(token_ids, layout.positions(), layout.attention_allowed(), cache)
+        tokens = []
+        while True:
+            last_logits = out.logits[0, -1].float()
+            tokens.append(int(last_logits.argmax()))
+            if len(tokens) == max_new_tokens or (tokens[-1] in self.eos_token_ids and not ignore_eos):
+                return OracleResult(tokens, last_logits)
+            num_generated = len(tokens)  # the newest token is fed back; it is decode token num_generated
+            out = self._forward(tokens[-1:], layout.positions(num_generated)[-1:],
+                                layout.attention_allowed(num_generated)[-1:], cache)
+
+    @torch.inference_mode()
+    def incremental_last_logits(self, token_ids: list[int], layout: Layout) -> torch.Tensor:
+        """Last prompt token's logits [vocab] (fp32) computed the way a chunk cache would."""
+        _check_length(token_ids, layout)
+        sys_ids = token_ids[:layout.sys_len]
+        segments = [sys_ids + token_ids[start:start + n]
+                    for start, n in zip(layout.chunk_starts(), layout.chunk_lens)] or [sys_ids]
+        segment_kvs = [self._causal_kv(segment) for segment in segments if segment]
+        cache = transformers.DynamicCache(
+            _concat_context_kv(segment_kvs, layout.sys_len) if segment_kvs else None,
+            config=self.model.config,
+        )
+        question = slice(layout.context_len, layout.num_tokens)
+        # No mask: HF's own causal mask over cache + question is "everything before".
+        out = self._forward(token_ids[question], layout.positions()[question], None, cache)
+        return out.logits[0, -1].float()
+
+    def _causal_kv(self, token_ids: list[int]) -> list[LayerKV]:
+        """KV of an ordinary causal prefill at positions [0, len)."""
+        cache = transformers.DynamicCache(config=self.model.config)
+        self._forward(token_ids, np.arange(len(token_ids)), None, cache)
+        return [(layer.keys, layer.values) for layer in cache.layers]
+
+    def _forward(self, token_ids: list[int], positions: np.ndarray, allowed: np.ndarray | None,
+                 cache: transformers.DynamicCache | None = None):
+        return self.model(
+            input_ids=torch.tensor([token_ids]),
+            position_ids=torch.from_numpy(positions)[None],
+            attention_mask=None if allowed is None else self._additive_mask(allowed),
+            past_key_values=cache,
+            use_cache=cache is not None,
+        )
+
+    def _additive_mask(self, allowed: np.ndarray) -> torch.Tensor:
+        """[1, 1, queries, keys]: 0 where allowed, dtype-min elsewhere (eager adds it to the scores)."""
+        blocked = torch.finfo(self.dtype).min
+        return torch.where(torch.from_numpy(allowed), 0.0, blocked).to(self.dtype)[None, None]
+
+
+def _concat_context_kv(segment_kvs: list[list[LayerKV]], sys_len: int) -> list[LayerKV]:
+    """sys KV once (identical in every segment), then each chunk's own part, per layer."""
+    def cat(layer: int, which: int) -> torch.Tensor:
+        parts = [segment_kvs[0][layer][which][:, :, :sys_len]]
+        parts += [kv[layer][which][:, :, sys_len:] for kv in segment_kvs]
+        return torch.cat(parts, dim=2)
+
+    return [(cat(layer, 0), cat(layer, 1)) for layer in range(len(segment_kvs[0]))]
+
+
+def _check_length(token_ids: list[int], layout: Layout) -> None:
+    if len(token_ids) != layout.num_tokens:
+        raise ValueError(f"{len(token_ids)} token ids but the layout has {layout.num_tokens} tokens")

@@ -1,0 +1,133 @@
+"""The chunk pool: a fixed budget of KV blocks holding cached sys and chunk KV, with an index.
+
+Blocks are ids in ``[first_block_id, first_block_id + num_blocks)`` of the per-layer KV tensors;
+the pool only does the bookkeeping. Entries in use (``ref_count > 0``) are never evicted;
+unused ones stay cached and are evicted least recently used first when blocks run out.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from graphchunk.metrics import CacheMetrics
+
+
+class PoolExhausted(RuntimeError):
+    """Every pool block belongs to an entry in use: the step needs more than the budget."""
+
+
+@dataclass(eq=False)
+class PoolEntry:
+    key: bytes
+    tokens: tuple[int, ...]
+    """What the KV was computed from; a hash hit is verified against it."""
+    num_tokens: int
+    """KV tokens stored, in block order from the first slot of ``block_ids[0]``."""
+    block_ids: list[int]
+    ref_count: int = 0
+    ready: bool = False
+    """The KV has been written; until then only the entry's creator may read it."""
+    indexed: bool = True
+    """False for an entry whose key collided with another's tokens: freed on its last release."""
+
+
+class ChunkPool:
+    def __init__(self, num_blocks: int, block_size: int, first_block_id: int = 0,
+                 metrics: CacheMetrics | None = None):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"pool needs num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.first_block_id = first_block_id
+        self.metrics = metrics or CacheMetrics()
+        self.metrics.pool_blocks_total = num_blocks
+        self._free = list(range(first_block_id + num_blocks - 1, first_block_id - 1, -1))
+        self._index: dict[bytes, PoolEntry] = {}
+        self._evictable: OrderedDict[bytes, PoolEntry] = OrderedDict()
+        self._live: set[PoolEntry] = set()
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def lookup(self, key: bytes, tokens: tuple[int, ...]) -> PoolEntry | None:
+        """The ready or in-flight entry for ``key`` whose tokens match, acquired; else None."""
+        with self.metrics.timed_lookup():
+            self.metrics.lookups += 1
+            entry = self._index.get(key)
+            if entry is None or entry.tokens != tokens:
+                self.metrics.misses += 1
+                return None
+            self.metrics.hits += 1
+            self.acquire(entry)
+            return entry
+
+    def insert(self, key: bytes, tokens: tuple[int, ...], num_tokens: int) -> PoolEntry:
+        """A new entry with room for ``num_tokens``, acquired once, not yet ready."""
+        needed = self.blocks_for(num_tokens)
+        if needed > self.num_blocks:
+            raise PoolExhausted(f"{num_tokens} tokens need {needed} blocks, more than the pool's {self.num_blocks}")
+        reclaimable = len(self._free) + sum(len(e.block_ids) for e in self._evictable.values())
+        if reclaimable < needed:
+            raise PoolExhausted(f"{num_tokens} tokens need {needed} free blocks; {len(self._free)} are free "
+                                f"and only {reclaimable} reclaimable, the rest belong to entries in use")
+        if key in self._evictable:  # same key, other tokens, unused: the newcomer replaces it
+            self._evict(key)
+        while len(self._free) < needed:
+            self._evict(next(iter(self._evictable)))
+        entry = PoolEntry(key, tokens, num_tokens, [self._free.pop() for _ in range(needed)], ref_count=1)
+        entry.indexed = key not in self._index
+        if entry.indexed:
+            self._index[key] = entry
+        self._live.add(entry)
+        self._update_usage()
+        return entry
+
+    def acquire(self, entry: PoolEntry) -> None:
+        entry.ref_count += 1
+        if entry.indexed:
+            self._evictable.pop(entry.key, None)
+
+    def release(self, entry: PoolEntry) -> None:
+        if entry.ref_count < 1:
+            raise RuntimeError(f"release of an entry not in use: {entry.key.hex()}")
+        entry.ref_count -= 1
+        if entry.ref_count:
+            return
+        if entry.indexed and entry.ready:
+            self._evictable[entry.key] = entry
+        else:
+            self._drop(entry)
+
+    def mark_ready(self, entry: PoolEntry) -> None:
+        entry.ready = True
+
+    def _evict(self, key: bytes) -> None:
+        self._drop(self._evictable.pop(key))
+        self.metrics.evictions += 1
+
+    def _drop(self, entry: PoolEntry) -> None:
+        if entry.indexed:
+            del self._index[entry.key]
+            self._evictable.pop(entry.key, None)
+            entry.indexed = False
+        self._live.discard(entry)
+        self._free.extend(reversed(entry.block_ids))
+        entry.block_ids = []
+        self._update_usage()
+
+    def _update_usage(self) -> None:
+        self.metrics.pool_blocks_used = self.num_blocks - len(self._free)
+
+    def check_invariants(self) -> None:
+        """Raises AssertionError when the accounting is off (used by tests and debug builds)."""
+        owned = [b for e in self._live for b in e.block_ids]
+        all_blocks = owned + self._free
+        assert len(all_blocks) == len(set(all_blocks)) == self.num_blocks, "a block is lost or owned twice"
+        assert set(all_blocks) == set(range(self.first_block_id, self.first_block_id + self.num_blocks))
+        assert all(e.ref_count == 0 and e.ready for e in self._evictable.values()), "evictable entry in use"
+        assert all(e in self._live for e in self._index.values()), "indexed entry without blocks"
+        assert self.metrics.pool_blocks_used == len(owned)

@@ -1,0 +1,173 @@
+"""Splitting a prompt's token ids into sys / chunks / question.
+
+Two ways to give the split (DESIGN.md §2):
+
+* explicit boundaries (``split_at``): no separator reaches the model;
+* a separator string in the text (``SeparatorSplitter``): the separator tokens stay in the
+  sequence and belong to the segment that follows them.
+
+Degenerate cases, each a tested, documented behaviour:
+
+========================  ====================================================================
+no separator              ``None``: an ordinary prompt, run exactly as vanilla vLLM
+separator first           empty sys (S = 0); the chunks start at position 0
+empty chunk               explicit boundaries: dropped (it has no tokens, nothing changes);
+                          separator text (consecutive separators, or only whitespace between
+                          two): its tokens join the following segment
+separator last            ``SegmentationError``: the question is empty
+more chunks than allowed  ``SegmentationError`` naming the count and ``max_chunks``
+chunk longer than allowed ``SegmentationError`` naming the chunk and ``max_chunk_len``
+========================  ====================================================================
+
+BPE merges separators with their neighbours differently in context, so detection runs on text:
+each token's decoded piece gives character offsets, the separator is found in the joined text,
+and every token overlapping an occurrence starts (or belongs to) the following segment.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Sequence
+
+import numpy as np
+
+from graphchunk.layout import Layout
+
+
+class SegmentationError(ValueError):
+    """The prompt cannot be segmented; the message names the problem and the segment."""
+
+
+@dataclass(frozen=True)
+class SegmentedPrompt:
+    token_ids: tuple[int, ...]
+    layout: Layout
+
+    @cached_property
+    def bounds(self) -> list[tuple[int, int]]:
+        """[start, end) of sys, each chunk, and the question, in logical token indices."""
+        lay = self.layout
+        starts = [0, *lay.chunk_starts(), lay.context_len]
+        ends = [lay.sys_len, *(s + n for s, n in zip(lay.chunk_starts(), lay.chunk_lens)), lay.num_tokens]
+        return list(zip(starts, ends))
+
+    @property
+    def sys_tokens(self) -> tuple[int, ...]:
+        return self.token_ids[: self.layout.sys_len]
+
+    def chunk_tokens(self, i: int) -> tuple[int, ...]:
+        start, end = self.bounds[1 + i]
+        return self.token_ids[start:end]
+
+    @property
+    def question_tokens(self) -> tuple[int, ...]:
+        return self.token_ids[self.layout.context_len :]
+
+
+def make_segmented(token_ids: Sequence[int], starts: Sequence[int], max_chunks: int,
+                   max_chunk_len: int) -> SegmentedPrompt:
+    """Builds the prompt from segment start indices [c_1, ..., c_k, q] and checks the limits."""
+    n = len(token_ids)
+    edges = [0, *starts, n]
+    lens = [b - a for a, b in zip(edges, edges[1:])]
+    chunk_lens = tuple(lens[1:-1])
+    if lens[-1] == 0:
+        raise SegmentationError("the question (last segment) is empty")
+    if len(chunk_lens) > max_chunks:
+        raise SegmentationError(f"prompt has {len(chunk_lens)} chunks, more than max_chunks={max_chunks}")
+    for i, length in enumerate(chunk_lens):
+        if length > max_chunk_len:
+            raise SegmentationError(
+                f"chunk {i + 1} of {len(chunk_lens)} has {length} tokens, more than max_chunk_len={max_chunk_len}")
+    return SegmentedPrompt(tuple(int(t) for t in token_ids), Layout(lens[0], chunk_lens, lens[-1]))
+
+
+def split_at(token_ids: Sequence[int], boundaries: Sequence[int], *, max_chunks: int,
+             max_chunk_len: int) -> SegmentedPrompt:
+    """Explicit boundaries: the start indices of c_1..c_k and of the question, i.e.
+    ``[S, S+L_1, ..., S+sum(L_i)]``, non-decreasing, within [0, len(token_ids)]. Equal neighbours
+    give an empty chunk, which is dropped (it holds no tokens). No chunks at all (one boundary)
+    is an ordinary causal prompt: its layout computes exactly what vanilla attention does.
+    """
+    n = len(token_ids)
+    if not boundaries:
+        raise SegmentationError("explicit boundaries must name at least the question's start")
+    bad = [b for b in boundaries if not isinstance(b, (int, np.integer)) or isinstance(b, bool)]
+    if bad:
+        raise SegmentationError(f"boundaries must be integers, got {bad[0]!r}")
+    if any(b < 0 or b > n for b in boundaries):
+        raise SegmentationError(f"boundaries {list(boundaries)} must lie within [0, {n}] (prompt length)")
+    if any(a > b for a, b in zip(boundaries, boundaries[1:])):
+        raise SegmentationError(f"boundaries {list(boundaries)} must be non-decreasing")
+    # Repeated boundaries are empty chunks; 0 among them means an empty sys.
+    return make_segmented(token_ids, sorted(set(int(b) for b in boundaries)), max_chunks, max_chunk_len)
+
+
+class SeparatorSplitter:
+    """Finds a separator string in token ids, robust to how the tokenizer merged it."""
+
+    def __init__(self, tokenizer, separator: str, *, max_chunks: int, max_chunk_len: int):
+        if not separator:
+            raise ValueError("separator must be a non-empty string")
+        self.separator = separator
+        self.max_chunks = max_chunks
+        self.max_chunk_len = max_chunk_len
+        self._pieces = token_pieces(tokenizer)
+
+    def split(self, token_ids: Sequence[int]) -> SegmentedPrompt | None:
+        """The segmented prompt, or None when no separator occurs (an ordinary prompt)."""
+        pieces = [self._pieces[t] for t in token_ids]
+        text = "".join(pieces)
+        occurrences = _find_all(text, self.separator)
+        if not occurrences:
+            return None
+        ends = np.cumsum([len(p) for p in pieces])
+        token_starts = ends - np.array([len(p) for p in pieces])
+        # The first token overlapping a separator opens the next segment.
+        firsts = np.searchsorted(ends, [begin for begin, _ in occurrences], side="right")
+        starts = sorted(set(int(f) for f in firsts))
+        content = _content_mask(text, occurrences)
+
+        def has_content(a: int, b: int) -> bool:
+            return b > a and bool(content[token_starts[a]:ends[b - 1]].any())
+
+        edges = starts + [len(pieces)]
+        if not has_content(edges[-2], edges[-1]):
+            raise SegmentationError("the question (last segment) is empty: the prompt ends with the separator")
+        # A chunk without content (consecutive separators) gives its tokens to the next segment.
+        kept, open_at = [], None
+        for a, b in zip(starts, edges[1:]):
+            a = a if open_at is None else open_at
+            open_at = None if b == len(pieces) or has_content(a, b) else a
+            if open_at is None:
+                kept.append(a)
+        return make_segmented(token_ids, kept, self.max_chunks, self.max_chunk_len)
+
+
+def _find_all(text: str, needle: str) -> list[tuple[int, int]]:
+    found, at = [], text.find(needle)
+    while at >= 0:
+        found.append((at, at + len(needle)))
+        at = text.find(needle, at + len(needle))
+    return found
+
+
+def _content_mask(text: str, occurrences) -> np.ndarray:
+    """True for characters that are neither separator nor whitespace."""
+    mask = np.fromiter((not c.isspace() for c in text), dtype=bool, count=len(text))
+    for begin, end in occurrences:
+        mask[begin:end] = False
+    return mask
+
+
+def token_pieces(tokenizer) -> list[str]:
+    """Decoded text of every vocabulary id, with leading spaces kept.
+
+    Decoding ``[anchor, t]`` and cutting the anchor keeps the leading space that SentencePiece
+    strips from a lone token; byte-level BPE pieces of a split UTF-8 character decode to U+FFFD,
+    which never matches an ASCII separator.
+    """
+    anchor = tokenizer.convert_tokens_to_ids(tokenizer.tokenize("a")[0])
+    prefix = tokenizer.decode([anchor])
+    decoded = tokenizer.batch_decode([[anchor, t] for t in range(len(tokenizer))])
+    return [d[len(prefix):] for d in decoded]
