@@ -1,0 +1,251 @@
+"""The chunk-aware model runner: vLLM's own runner plus a chunk pool and a step hook.
+
+Mixed into the platform's runner class (``chunk_runner_class``); per step:
+
+``execute_model``  reads segmentations of new requests, and for every segmented request whose
+                   scheduled range overlaps its context moves the start of the range the runner
+                   computes itself to the question (``ScheduledPrompt.compute_start``);
+``_prepare_inputs`` (after vLLM updated its block tables) fills the context slots from the
+                   chunk pool — computing misses first — then lets vLLM prepare the shrunken
+                   batch and rewrites RoPE positions of question and generated tokens (§2).
+
+Slot mapping follows the logical index and was computed by vLLM before the rewrite.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import numpy as np
+import torch
+
+from graphchunk.chunk_cache import ChunkCache, PseudoSeq, ScheduledPrompt
+from graphchunk.config import ConfigError, GraphChunkConfig
+from graphchunk.frontend import BOUNDARIES_ARG, SALT_ARG
+from graphchunk.keys import KeySpace
+from graphchunk.kv_slots import KVSlotMap, copy_blocks, copy_slots
+from graphchunk.metrics import CacheMetrics
+from graphchunk.pool import ChunkPool
+from graphchunk.segments import SegmentedPrompt, split_at
+
+logger = logging.getLogger("graphchunk")
+
+
+
+class ChunkRunnerMixin:
+    """Methods added to a vLLM v1 GPUModelRunner subclass; ``graphchunk_setup`` initialises them."""
+
+    def graphchunk_setup(self, config: GraphChunkConfig) -> None:
+        self.gc_config = config
+        self.gc_metrics = CacheMetrics()
+        self.gc_prompts: dict[str, tuple[SegmentedPrompt, str | None]] = {}
+        self.gc_pending: list[tuple[str, SegmentedPrompt, str | None, int, int]] = []
+        self.gc_dummy: set[str] = set()
+        self.gc_cache: ChunkCache | None = None
+
+    # --- KV cache with pool blocks ---------------------------------------------------------------
+
+    def pool_num_blocks(self) -> int:
+        return -(-self.gc_config.pool_tokens // self.cache_config.block_size)
+
+    def initialize_kv_cache(self, kv_cache_config, is_profiling: bool = False, kv_cache_allocation_context=None):
+        if is_profiling:
+            return super().initialize_kv_cache(kv_cache_config, is_profiling, kv_cache_allocation_context)
+        num_blocks = kv_cache_config.num_blocks
+        grown = _with_extra_blocks(self.vllm_config, kv_cache_config, self.pool_num_blocks())
+        super().initialize_kv_cache(grown, is_profiling, kv_cache_allocation_context)
+        self._graphchunk_bind(num_blocks)
+
+    def _graphchunk_bind(self, first_pool_block: int) -> None:
+        groups = self.kv_cache_config.kv_cache_groups
+        if len(groups) != 1 or any(g.kernel_block_size for g in self.attn_groups[0]):
+            raise ConfigError("graphchunk supports models whose layers share one full-attention KV cache group")
+        layer_names = groups[0].layer_names
+        forward_context = self.compilation_config.static_forward_context
+        self.gc_layers = [forward_context[name] for name in layer_names]
+        self.gc_kv = [layer.kv_cache for layer in self.gc_layers]
+        self.gc_slot_map = self._probe_kv_layout(self.gc_layers[0], groups[0].kv_cache_spec)
+        pool = ChunkPool(self.pool_num_blocks(), self.cache_config.block_size, first_pool_block, self.gc_metrics)
+        model = self.model_config
+        space = KeySpace(model=f"{model.model}@{model.revision or ''}", dtype=str(model.dtype),
+                         parallel_layout=_parallel_layout(self.parallel_config))
+        self.gc_cache = ChunkCache(pool, space, self.scheduler_config.max_num_batched_tokens)
+        logger.info("graphchunk: chunk pool of %d blocks (%d tokens) at block ids [%d, %d)", pool.num_blocks,
+                    pool.num_blocks * pool.block_size, first_pool_block, first_pool_block + pool.num_blocks)
+
+    def _probe_kv_layout(self, layer, spec) -> KVSlotMap:
+        kv = layer.kv_cache
+        block_dim = list(kv.shape).index(self.kv_cache_config.num_blocks)
+
+        def make_cache(num_blocks):
+            shape = list(kv.shape)
+            shape[block_dim] = num_blocks
+            return torch.zeros(shape, dtype=kv.dtype, device=kv.device)
+
+        def write_kv(key, value, cache, slot_mapping):
+            layer.impl.do_kv_cache_update(layer, key, value, cache, slot_mapping)
+
+        return KVSlotMap.probe(write_kv, make_cache, spec.block_size, spec.num_kv_heads, spec.head_size,
+                               kv.dtype, kv.device)
+
+    # --- step ------------------------------------------------------------------------------------
+
+    def execute_model(self, scheduler_output, intermediate_tensors=None):
+        so = scheduler_output
+        for req_id in so.finished_req_ids:
+            self.gc_prompts.pop(req_id, None)
+        for new_req in so.scheduled_new_reqs:
+            self._register(new_req)
+        if self.gc_prompts and self.gc_cache is not None:
+            so = self._plan_step(so)
+        return super().execute_model(so, intermediate_tensors)
+
+    def _register(self, new_req) -> None:
+        args = (new_req.sampling_params.extra_args or {}) if new_req.sampling_params else {}
+        boundaries = args.get(BOUNDARIES_ARG)
+        if boundaries is None:
+            return
+        seg = split_at(new_req.prompt_token_ids, boundaries, max_chunks=self.gc_config.max_chunks,
+                       max_chunk_len=self.gc_config.max_chunk_len)
+        if seg.layout.num_chunks:
+            self.gc_prompts[new_req.req_id] = (seg, args.get(SALT_ARG))
+
+    def _plan_step(self, so):
+        computed = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
+        cached = so.scheduled_cached_reqs
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+        shrink, self.gc_pending, self.gc_dummy = {}, [], set()
+        for req_id, num_tokens in so.num_scheduled_tokens.items():
+            if req_id not in self.gc_prompts:
+                continue
+            seg, salt = self.gc_prompts[req_id]
+            start, end = computed[req_id], computed[req_id] + num_tokens
+            prompt = ScheduledPrompt(seg, salt, start, end, ())
+            own_start = prompt.compute_start()
+            self.gc_metrics.tokens_computed += max(0, min(end, seg.layout.num_tokens) - max(own_start, start))
+            if own_start != start:
+                self.gc_pending.append((req_id, seg, salt, start, end))
+                shrink[req_id] = own_start
+                if own_start < seg.layout.context_len:
+                    self.gc_dummy.add(req_id)
+        return _shrunk(so, shrink) if shrink else so
+
+    def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
+        if self.gc_pending:
+            prompts = [ScheduledPrompt(seg, salt, start, end, self.requests[req_id].block_ids[0])
+                       for req_id, seg, salt, start, end in self.gc_pending]
+            self.gc_pending = []
+            with torch.inference_mode():
+                self.gc_cache.materialize(prompts, self)
+        result = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
+        if self.gc_prompts:
+            self._rewrite_positions()
+        return result
+
+    def _rewrite_positions(self) -> None:
+        batch = self.input_batch
+        query_start = self.query_start_loc.np
+        slot_mapping = batch.block_table[0].slot_mapping
+        for req_id, index in batch.req_id_to_index.items():
+            if req_id not in self.gc_prompts:
+                continue
+            layout = self.gc_prompts[req_id][0].layout
+            begin, end = int(query_start[index]), int(query_start[index + 1])
+            if req_id in self.gc_dummy:  # its KV was copied in; keep the recomputed token from overwriting it
+                slot_mapping.cpu[begin:end] = -1
+                slot_mapping.gpu[begin:end] = -1
+                continue
+            first = begin + max(0, layout.context_len - int(batch.num_computed_tokens_cpu[index]))
+            self.positions[first:end] += layout.position_offset
+
+    # --- KVDevice --------------------------------------------------------------------------------
+
+    def forward(self, seqs: list[PseudoSeq]) -> None:
+        from vllm.forward_context import set_forward_context
+        from vllm.v1.attention.backend import CommonAttentionMetadata
+
+        bs = self.cache_config.block_size
+        device = self.device
+        new_lens = [s.num_new for s in seqs]
+        seq_lens = torch.tensor([len(s.token_ids) for s in seqs], dtype=torch.int32)
+        ids = torch.tensor(np.concatenate([np.asarray(s.token_ids[s.num_cached:]) for s in seqs]), dtype=torch.int32)
+        positions = torch.from_numpy(np.concatenate([s.positions[s.num_cached:] for s in seqs]).astype(np.int64))
+        block_table = torch.zeros(len(seqs), max(len(s.block_ids) for s in seqs), dtype=torch.int32)
+        slots = []
+        for i, s in enumerate(seqs):
+            block_table[i, : len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.int32)
+            logical = np.arange(s.num_cached, len(s.token_ids))
+            slots.append(np.asarray(s.block_ids, np.int64)[logical // bs] * bs + logical % bs)
+        slot_mapping = torch.from_numpy(np.concatenate(slots))
+        query_start = torch.zeros(len(seqs) + 1, dtype=torch.int32)
+        query_start[1:] = torch.cumsum(torch.tensor(new_lens), 0)
+        num_tokens = int(query_start[-1])
+        to = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+        common = CommonAttentionMetadata(
+            query_start_loc=to(query_start), query_start_loc_cpu=query_start, seq_lens=to(seq_lens),
+            num_reqs=len(seqs), num_actual_tokens=num_tokens, max_query_len=max(new_lens),
+            max_seq_len=int(seq_lens.max()), block_table_tensor=to(block_table), slot_mapping=to(slot_mapping),
+            causal=True, positions=to(positions), seq_lens_cpu_upper_bound=seq_lens)
+        attn_metadata, slot_by_layer = {}, {}
+        for group in self.attn_groups[0]:
+            metadata = group.build_metadata(common)
+            for name in group.layer_names:
+                attn_metadata[name], slot_by_layer[name] = metadata, common.slot_mapping
+        with set_forward_context(attn_metadata, self.vllm_config, num_tokens=num_tokens,
+                                 slot_mapping=slot_by_layer, is_padding=torch.zeros(num_tokens, dtype=torch.bool)):
+            self.model(input_ids=to(ids), positions=to(positions), intermediate_tensors=None, inputs_embeds=None)
+
+    def copy_blocks(self, src_blocks: list[int], dst_blocks: list[int]) -> None:
+        copy_blocks(self.gc_kv, self.gc_slot_map, src_blocks, dst_blocks)
+
+    def copy_slots(self, src_slots: np.ndarray, dst_slots: np.ndarray) -> None:
+        copy_slots(self.gc_kv, self.gc_slot_map, src_slots, dst_slots)
+
+    def graphchunk_stats(self) -> dict[str, float]:
+        return self.gc_metrics.snapshot()
+
+
+def chunk_runner_class(base: type) -> type:
+    return type(f"GraphChunk{base.__name__}", (ChunkRunnerMixin, base), {})
+
+
+def _shrunk(so, new_starts: dict[str, int]):
+    """A copy of the scheduler output whose requests in ``new_starts`` compute from there on."""
+    num_tokens = dict(so.num_scheduled_tokens)
+    removed = 0
+    new_reqs = []
+    for req in so.scheduled_new_reqs:
+        if req.req_id in new_starts:
+            req = dataclasses.replace(req, num_computed_tokens=new_starts[req.req_id])
+        new_reqs.append(req)
+    cached = so.scheduled_cached_reqs
+    cached_computed = [new_starts.get(r, n) for r, n in zip(cached.req_ids, cached.num_computed_tokens)]
+    old = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
+    old.update(zip(cached.req_ids, cached.num_computed_tokens))
+    for req_id, start in new_starts.items():
+        num_tokens[req_id] -= start - old[req_id]
+        removed += start - old[req_id]
+    return dataclasses.replace(
+        so, scheduled_new_reqs=new_reqs, num_scheduled_tokens=num_tokens,
+        total_num_scheduled_tokens=so.total_num_scheduled_tokens - removed,
+        scheduled_cached_reqs=dataclasses.replace(cached, num_computed_tokens=cached_computed))
+
+
+def _with_extra_blocks(vllm_config, kv_cache_config, extra: int):
+    """The same KV cache config with ``extra`` blocks per layer past the scheduler's ``num_blocks``."""
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
+
+    cache_config = vllm_config.cache_config
+    saved = cache_config.num_gpu_blocks_override
+    cache_config.num_gpu_blocks_override = kv_cache_config.num_blocks + extra
+    try:
+        grown = get_kv_cache_config_from_groups(vllm_config, kv_cache_config.kv_cache_groups, 0)
+    finally:
+        cache_config.num_gpu_blocks_override = saved
+    return dataclasses.replace(grown, kv_cache_layout=kv_cache_config.kv_cache_layout,
+                               hash_block_size=kv_cache_config.hash_block_size,
+                               cache_hit_alignment_tokens=kv_cache_config.cache_hit_alignment_tokens)
+
+
+def _parallel_layout(parallel_config) -> str:
+    return f"tp{parallel_config.tensor_parallel_size}-pp{parallel_config.pipeline_parallel_size}"

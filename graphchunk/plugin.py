@@ -1,0 +1,42 @@
+"""vLLM general plugin (entry point ``vllm.general_plugins``): hooks request processing.
+
+vLLM loads general plugins in every process; this one only wraps
+``InputProcessor.process_inputs`` (idempotently), and the wrapper acts only for engines whose
+worker is graphchunk's, so installing graphchunk changes nothing for other vLLM users.
+"""
+from __future__ import annotations
+
+_ANNOTATOR = "_graphchunk_annotator"
+
+
+def register() -> None:
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    if getattr(InputProcessor.process_inputs, "_graphchunk", False):
+        return
+    original = InputProcessor.process_inputs
+
+    def process_inputs(self, request_id, prompt, params, *args, **kwargs):
+        request = original(self, request_id, prompt, params, *args, **kwargs)
+        annotator = _annotator(self)
+        if annotator is not None:
+            annotator.annotate(request)
+        return request
+
+    process_inputs._graphchunk = True
+    InputProcessor.process_inputs = process_inputs
+
+
+def _annotator(processor):
+    annotator = getattr(processor, _ANNOTATOR, None)
+    if annotator is None:
+        from graphchunk.config import GraphChunkConfig
+        from graphchunk.frontend import RequestAnnotator, is_graphchunk_worker
+
+        config = processor.vllm_config
+        annotator = False
+        if is_graphchunk_worker(config.parallel_config.worker_cls):
+            gc_config = GraphChunkConfig.from_additional_config(config.additional_config)
+            annotator = RequestAnnotator(gc_config, processor.get_tokenizer())
+        setattr(processor, _ANNOTATOR, annotator)
+    return annotator or None

@@ -1,0 +1,85 @@
+"""``graphchunk.Runner``: the platform's vLLM worker with the chunk-aware model runner.
+
+    vllm serve MODEL --worker-cls graphchunk.Runner --additional-config '{"graphchunk": {...}}'
+
+The worker class is chosen from the running platform: CPUWorker on CPU, the CUDA Worker on
+NVIDIA, vllm-ascend's NPUWorker on Ascend (written against vllm-ascend's API, import-guarded
+and unverified on hardware: no NPU was available to test it).
+"""
+from __future__ import annotations
+
+import logging
+
+from graphchunk.config import ConfigError, GraphChunkConfig
+from graphchunk.model_runner import chunk_runner_class
+
+logger = logging.getLogger("graphchunk")
+
+
+def platform_worker_class() -> type:
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        from vllm.v1.worker.cpu_worker import CPUWorker
+        return CPUWorker
+    if current_platform.is_cuda_alike():
+        from vllm.v1.worker.gpu_worker import Worker
+        return Worker
+    if current_platform.device_name == "npu":
+        try:
+            from vllm_ascend.worker.worker import NPUWorker
+        except ImportError as exc:
+            raise ImportError("graphchunk on Ascend needs vllm-ascend (pip install 'graphchunk[ascend]')") from exc
+        logger.warning("graphchunk: the Ascend NPU worker path is unverified on hardware")
+        return NPUWorker
+    raise RuntimeError(f"graphchunk has no worker for platform {current_platform.device_name!r}")
+
+
+def check_config(vllm_config, config: GraphChunkConfig) -> None:
+    """Start-up checks that would otherwise fail later, inside a step."""
+    if getattr(vllm_config, "use_v2_model_runner", False):
+        raise ConfigError("graphchunk needs vLLM's V1 model runner; unset VLLM_USE_V2_MODEL_RUNNER")
+    if vllm_config.parallel_config.pipeline_parallel_size != 1:
+        raise ConfigError("graphchunk does not support pipeline parallelism")
+    if vllm_config.speculative_config is not None:
+        raise ConfigError("graphchunk does not support speculative decoding")
+    if config.mode != "isolated":
+        raise ConfigError(f"graphchunk.mode={config.mode!r} is not available yet; use 'isolated'")
+    block_size = vllm_config.cache_config.block_size
+    # One unit of chunk work holds a sys prompt (up to max_model_len) and one chunk.
+    needed = -(-vllm_config.model_config.max_model_len // block_size) + 1 + -(-config.max_chunk_len // block_size)
+    if -(-config.pool_tokens // block_size) < needed:
+        raise ConfigError(f"graphchunk.pool_tokens={config.pool_tokens} is too small: the pool must hold a sys "
+                          f"prompt of max_model_len tokens plus one chunk of max_chunk_len tokens, "
+                          f"{needed * block_size} tokens at block size {block_size}")
+
+
+def make_runner_class() -> type:
+    base = platform_worker_class()
+
+    class Runner(base):
+        def __init__(self, vllm_config, *args, **kwargs):
+            self.gc_config = GraphChunkConfig.from_additional_config(vllm_config.additional_config)
+            check_config(vllm_config, self.gc_config)
+            super().__init__(vllm_config, *args, **kwargs)
+
+        def init_device(self):
+            super().init_device()
+            runner = self.model_runner
+            runner.__class__ = chunk_runner_class(type(runner))
+            runner.graphchunk_setup(self.gc_config)
+
+        def determine_available_memory(self) -> int:
+            available = super().determine_available_memory()
+            page_bytes = sum(spec.page_size_bytes for spec in self.model_runner.get_kv_cache_spec().values())
+            pool_bytes = self.model_runner.pool_num_blocks() * page_bytes
+            if pool_bytes >= available:
+                raise ConfigError(f"graphchunk.pool_tokens={self.gc_config.pool_tokens} needs {pool_bytes} bytes "
+                                  f"of KV cache but only {available} are available")
+            return available - pool_bytes
+
+        def graphchunk_stats(self) -> dict[str, float]:
+            return self.model_runner.graphchunk_stats()
+
+    Runner.__module__, Runner.__qualname__ = "graphchunk", "Runner"
+    return Runner
