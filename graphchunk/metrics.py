@@ -36,3 +36,74 @@ class CacheMetrics:
 
     def snapshot(self) -> dict[str, float]:
         return {**asdict(self), "pool_utilization": self.pool_utilization, "hit_rate": self.hit_rate}
+
+
+# --- across processes -------------------------------------------------------------------------
+# The worker runs in a process of its own (spawned by vLLM's engine core); the process serving
+# /metrics or calling GraphChunkLLM.stats() reads what the worker publishes into a small shared
+# file of float64s named by GRAPHCHUNK_METRICS_FILE, which child processes inherit.
+
+METRICS_FILE_ENV = "GRAPHCHUNK_METRICS_FILE"
+COUNTERS = ("lookups", "hits", "misses", "evictions", "tokens_reused", "tokens_computed", "lookup_seconds")
+GAUGES = ("pool_blocks_used", "pool_blocks_total", "pool_utilization", "hit_rate")
+FIELDS = COUNTERS + GAUGES
+HELP = {
+    "lookups": "Chunk-pool lookups", "hits": "Chunk-pool lookups that found the KV",
+    "misses": "Chunk-pool lookups that had to compute the KV", "evictions": "Pool entries evicted (LRU)",
+    "tokens_reused": "Context tokens whose KV was copied from the pool instead of computed",
+    "tokens_computed": "Prompt tokens computed (chunk misses and questions)",
+    "lookup_seconds": "Time spent in pool lookups", "pool_blocks_used": "Pool blocks holding KV",
+    "pool_blocks_total": "Pool blocks in the budget", "pool_utilization": "Used fraction of the pool",
+    "hit_rate": "hits / lookups",
+}
+
+
+def new_metrics_file() -> str:
+    """A fresh file name for one engine's metrics, exported to child processes."""
+    import os
+    import tempfile
+    import uuid
+
+    path = os.path.join(tempfile.gettempdir(), f"graphchunk-metrics-{os.getpid()}-{uuid.uuid4().hex[:8]}.bin")
+    os.environ[METRICS_FILE_ENV] = path
+    return path
+
+
+class MetricsPublisher:
+    """Worker side: mirrors a CacheMetrics snapshot into the shared file."""
+
+    def __init__(self, path: str):
+        import numpy as np
+
+        self.values = np.memmap(path, dtype=np.float64, mode="w+", shape=(len(FIELDS),))
+
+    def publish(self, metrics: CacheMetrics) -> None:
+        snapshot = metrics.snapshot()
+        self.values[:] = [snapshot[name] for name in FIELDS]
+
+
+def read_published(path: str | None = None) -> dict[str, float] | None:
+    """The last published snapshot, or None before the worker published one."""
+    import os
+
+    import numpy as np
+
+    path = path or os.environ.get(METRICS_FILE_ENV)
+    if not path or not os.path.exists(path) or os.path.getsize(path) != 8 * len(FIELDS):
+        return None
+    return dict(zip(FIELDS, np.fromfile(path, dtype=np.float64).tolist()))
+
+
+class PrometheusCollector:
+    """Exports the published snapshot as ``graphchunk_*`` metrics on vLLM's /metrics."""
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        values = read_published()
+        if values is None:
+            return
+        for name in COUNTERS:
+            yield CounterMetricFamily(f"graphchunk_{name}", HELP[name], value=values[name])
+        for name in GAUGES:
+            yield GaugeMetricFamily(f"graphchunk_{name}", HELP[name], value=values[name])

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 
 import numpy as np
 import torch
@@ -24,7 +25,7 @@ from graphchunk.config import ConfigError, GraphChunkConfig
 from graphchunk.frontend import BOUNDARIES_ARG, SALT_ARG
 from graphchunk.keys import KeySpace
 from graphchunk.kv_slots import KVSlotMap, copy_blocks, copy_slots
-from graphchunk.metrics import CacheMetrics
+from graphchunk.metrics import METRICS_FILE_ENV, CacheMetrics, MetricsPublisher
 from graphchunk.pool import ChunkPool
 from graphchunk.segments import SegmentedPrompt, split_at
 
@@ -42,6 +43,8 @@ class ChunkRunnerMixin:
         self.gc_pending: list[tuple[str, SegmentedPrompt, str | None, int, int]] = []
         self.gc_dummy: set[str] = set()
         self.gc_cache: ChunkCache | None = None
+        path = os.environ.get(METRICS_FILE_ENV)
+        self.gc_publisher = MetricsPublisher(path) if path else None
 
     # --- KV cache with pool blocks ---------------------------------------------------------------
 
@@ -98,7 +101,10 @@ class ChunkRunnerMixin:
             self._register(new_req)
         if self.gc_prompts and self.gc_cache is not None:
             so = self._plan_step(so)
-        return super().execute_model(so, intermediate_tensors)
+        output = super().execute_model(so, intermediate_tensors)
+        if self.gc_publisher is not None:
+            self.gc_publisher.publish(self.gc_metrics)
+        return output
 
     def _register(self, new_req) -> None:
         args = (new_req.sampling_params.extra_args or {}) if new_req.sampling_params else {}

@@ -14,6 +14,7 @@ def register() -> None:
 
     if getattr(InputProcessor.process_inputs, "_graphchunk", False):
         return
+    _export_metrics()
     original = InputProcessor.process_inputs
 
     def process_inputs(self, request_id, prompt, params, *args, **kwargs):
@@ -40,3 +41,18 @@ def _annotator(processor):
             annotator = RequestAnnotator(gc_config, processor.get_tokenizer())
         setattr(processor, _ANNOTATOR, annotator)
     return annotator or None
+
+
+def _export_metrics() -> None:
+    """In the first process that loads the plugin (the API server): name the metrics file the
+    worker will publish to, and serve it on /metrics. Children inherit the name."""
+    import os
+
+    from graphchunk import metrics
+
+    if metrics.METRICS_FILE_ENV in os.environ:
+        return
+    metrics.new_metrics_file()
+    from prometheus_client import REGISTRY
+
+    REGISTRY.register(metrics.PrometheusCollector())

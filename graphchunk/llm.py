@@ -1,0 +1,133 @@
+"""``GraphChunkLLM``: ``vllm.LLM`` with graphchunk's worker, plus structured RAG prompts.
+
+    with GraphChunkLLM() as llm:                       # the bundled SmolLM2 by default
+        out = llm.generate(sys="...", chunks=["doc 1", "doc 2"], question="...")
+        print(out[0].outputs[0].text, llm.stats())
+
+Structured prompts are tokenized segment by segment and sent with explicit boundaries, so no
+separator reaches the model; plain prompts (with or without separators) go through unchanged.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np  # noqa: E402
+
+from graphchunk.config import GraphChunkConfig  # noqa: E402
+from graphchunk.frontend import BOUNDARIES_ARG  # noqa: E402
+from graphchunk.metrics import new_metrics_file, read_published  # noqa: E402
+
+
+@dataclass(frozen=True)
+class RagPrompt:
+    """One request given as segments: ``sys`` ‖ ``chunks`` ‖ ``question``."""
+
+    sys: str
+    chunks: Sequence[str]
+    question: str
+    chat: bool = False
+    """Wrap the segments in the model's chat template (system; documents + question as the
+    user turn; one assistant turn follows)."""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+_MARK = "\x00graphchunk-{}\x00"
+
+
+class GraphChunkLLM:
+    def __init__(self, model: str | None = None, *, graphchunk: dict[str, Any] | None = None, **llm_kwargs):
+        """``graphchunk``: the settings of ``GraphChunkConfig``; ``llm_kwargs`` go to ``vllm.LLM``."""
+        from vllm import LLM
+
+        from graphchunk import models
+        from graphchunk.plugin import register
+
+        register()  # vLLM loads it from the entry point too; this makes a source checkout work
+        self.metrics_file = new_metrics_file()  # this engine's own, inherited by its worker
+        self.config = GraphChunkConfig.from_dict(graphchunk)
+        additional = dict(llm_kwargs.pop("additional_config", None) or {})
+        additional["graphchunk"] = {**additional.get("graphchunk", {}), **(graphchunk or {})}
+        self.llm = LLM(model=model or str(models.smollm2_path()), worker_cls="graphchunk.Runner",
+                       additional_config=additional, **llm_kwargs)
+        self.tokenizer = self.llm.get_tokenizer()
+
+    # --- generation --------------------------------------------------------------------------
+
+    def generate(self, prompts=None, sampling_params=None, *, sys: str | None = None,
+                 chunks: Sequence[str] | None = None, question: str | None = None, use_tqdm: bool = False):
+        """vLLM's RequestOutputs for ``prompts`` (strings, token prompts or ``RagPrompt``s), or for
+        the single structured prompt given by ``sys`` / ``chunks`` / ``question``."""
+        from vllm import SamplingParams
+
+        if prompts is None:
+            if question is None:
+                raise ValueError("give prompts, or sys/chunks/question")
+            prompts = [RagPrompt(sys or "", list(chunks or []), question)]
+        elif isinstance(prompts, (str, RagPrompt, dict)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+        inputs, all_params = [], []
+        for prompt, p in zip(prompts, per_prompt, strict=True):
+            if isinstance(prompt, RagPrompt):
+                token_ids, boundaries = self.encode(prompt)
+                p = p.clone()
+                p.extra_args = {**(p.extra_args or {}), **prompt.extra, BOUNDARIES_ARG: boundaries}
+                prompt = {"prompt_token_ids": token_ids}
+            inputs.append(prompt)
+            all_params.append(p)
+        return self.llm.generate(inputs, all_params, use_tqdm=use_tqdm)
+
+    def chat(self, sys: str, chunks: Sequence[str], question: str, sampling_params=None, use_tqdm: bool = False):
+        """One assistant turn answering ``question`` from ``chunks`` under the system prompt ``sys``."""
+        return self.generate(RagPrompt(sys, list(chunks), question, chat=True), sampling_params, use_tqdm=use_tqdm)
+
+    def encode(self, prompt: RagPrompt) -> tuple[list[int], list[int]]:
+        """Token ids and segment boundaries (start of each chunk and of the question)."""
+        texts = self._chat_segments(prompt) if prompt.chat else [prompt.sys, *prompt.chunks, prompt.question]
+        # A chat template writes its own BOS; a plain prompt gets the tokenizer's on sys.
+        pieces = [self.tokenizer.encode(text, add_special_tokens=(i == 0 and not prompt.chat)) if text else []
+                  for i, text in enumerate(texts)]
+        boundaries = np.cumsum([len(piece) for piece in pieces[:-1]]).tolist()
+        return [t for piece in pieces for t in piece], boundaries
+
+    def _chat_segments(self, prompt: RagPrompt) -> list[str]:
+        """The chat template rendered around markers and cut there. Template text after the
+        system prompt stays with sys; after a document (the "\n\n" joining them), with that
+        document, so a document's tokens are the same wherever it appears; the assistant
+        header, with the question."""
+        contents = [prompt.sys, *prompt.chunks, prompt.question]
+        marks = [_MARK.format(i) for i in range(len(contents))]
+        messages = [{"role": "system", "content": marks[0]}, {"role": "user", "content": "\n\n".join(marks[1:])}]
+        rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        parts = re.split("|".join(map(re.escape, marks)), rendered)
+        if len(parts) != len(marks) + 1:
+            raise ValueError("the chat template does not keep the system and user messages verbatim")
+        return [parts[0] + contents[0] + parts[1]] + [c + p for c, p in zip(contents[1:], parts[2:])]
+
+    # --- lifecycle and metrics ----------------------------------------------------------------
+
+    def stats(self) -> dict[str, float]:
+        """Chunk-cache metrics of the (first) worker."""
+        return self.llm.collective_rpc("graphchunk_stats")[0]
+
+    def published_stats(self) -> dict[str, float] | None:
+        """The metrics as /metrics exports them (published by the worker after each step)."""
+        return read_published(self.metrics_file)
+
+    def shutdown(self) -> None:
+        engine = getattr(self.llm, "llm_engine", None)
+        if engine is not None:
+            engine.engine_core.shutdown()
+            self.llm.llm_engine = None
+
+    def __enter__(self) -> "GraphChunkLLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
