@@ -1,9 +1,11 @@
 """Token-granular access to a paged KV cache whose in-block layout belongs to the backend.
 
-Backends pack a block their own way (vLLM's CPU backend stores K transposed in ISA-dependent
-tiles), so graphchunk never assumes a layout: it writes probe values through the backend's own
-KV-write op into a two-block scratch cache and reads back where each (slot offset, K/V, head,
-dim) landed. Copies are then flat gathers/scatters over each layer's storage.
+Backends pack a block their own way (vLLM's CPU backend stores K transposed within a block), so
+graphchunk never assumes a layout: it writes probe values through the backend's own KV-write op
+into a two-block scratch cache and reads back where each (slot offset, K/V, head, dim) landed.
+When, as for every backend seen so far, each of K and V is an affine (strided) map of
+(block, offset, head, dim), copies run as strided slice copies over all layers at once, one per
+run of slots that are consecutive on both sides; otherwise as flat element gathers.
 """
 from __future__ import annotations
 
@@ -12,12 +14,13 @@ import torch
 
 
 class KVSlotMap:
-    """Storage offsets of every element of a slot, for one layer's KV tensor."""
+    """Where every element of a slot lives, relative to a layer's first element."""
 
-    def __init__(self, base: torch.Tensor, block_stride: int, block_size: int):
-        self.base = base  # [block_size, elements per token] offsets in block 0
+    def __init__(self, coords: torch.Tensor, block_stride: int):
+        self.coords = coords  # [block_size, 2 (K/V), heads, head_size] offsets in block 0
         self.block_stride = block_stride
-        self.block_size = block_size
+        self.block_size = coords.shape[0]
+        self.strides = [_affine_strides(coords[:, kind]) for kind in (0, 1)]
 
     @classmethod
     def probe(cls, write_kv, make_cache, block_size: int, num_heads: int, head_size: int,
@@ -26,7 +29,7 @@ class KVSlotMap:
         ``make_cache(num_blocks)`` an empty cache of the real per-layer shape."""
         cache = make_cache(2)
         coords = torch.full((2, block_size, 2, num_heads, head_size), -1, dtype=torch.long)
-        ramp = torch.arange(1, head_size + 1, device=device).to(dtype)  # exact in any float dtype
+        ramp = torch.arange(1, head_size + 1, device=device).to(dtype)  # small integers: exact in any float dtype
         for block in range(2):
             for offset in range(block_size):
                 slot = torch.tensor([block * block_size + offset], device=device)
@@ -44,13 +47,24 @@ class KVSlotMap:
         stride = coords[1] - coords[0]
         if not (stride == stride.flatten()[0]).all():
             raise RuntimeError("KV layout probe: blocks are not evenly strided in storage")
-        return cls(coords[0].reshape(block_size, -1), int(stride.flatten()[0]), block_size)
+        return cls(coords[0], int(stride.flatten()[0]))
 
     def offsets(self, slots: np.ndarray) -> torch.Tensor:
-        """Flat storage offsets [n * elements] of the given slots, in a fixed element order."""
+        """Flat storage offsets [n * elements] of the given slots."""
         slots = torch.from_numpy(np.asarray(slots, np.int64))
         blocks, within = slots // self.block_size, slots % self.block_size
-        return (self.base[within] + blocks[:, None] * self.block_stride).flatten()
+        return (self.coords.reshape(self.block_size, -1)[within] + blocks[:, None] * self.block_stride).flatten()
+
+
+def _affine_strides(coords: torch.Tensor) -> tuple[int, int, int, int] | None:
+    """(first, offset stride, head stride, dim stride) if ``coords[o, h, d]`` is affine, else None."""
+    first = int(coords[0, 0, 0])
+    steps = [int(coords[1, 0, 0]) - first if coords.shape[0] > 1 else 0,
+             int(coords[0, 1, 0]) - first if coords.shape[1] > 1 else 0,
+             int(coords[0, 0, 1]) - first if coords.shape[2] > 1 else 0]
+    grids = torch.meshgrid(*(torch.arange(n) for n in coords.shape), indexing="ij")
+    predicted = first + sum(g * s for g, s in zip(grids, steps))
+    return (first, *steps) if torch.equal(predicted, coords) else None
 
 
 def _storage_view(cache: torch.Tensor) -> torch.Tensor:
@@ -59,16 +73,65 @@ def _storage_view(cache: torch.Tensor) -> torch.Tensor:
     return cache.as_strided((span,), (1,))
 
 
-def copy_slots(caches: list[torch.Tensor], slot_map: KVSlotMap, src: np.ndarray, dst: np.ndarray) -> None:
-    """KV of slots ``src`` into slots ``dst`` in every layer (positions unchanged: no rotation)."""
-    src_off = slot_map.offsets(src).to(caches[0].device)
-    dst_off = slot_map.offsets(dst).to(caches[0].device)
-    for cache in caches:
-        flat = _storage_view(cache)
-        flat[dst_off] = flat[src_off]
+class KVCopier:
+    """Copies slot KV between places in every layer's cache (positions unchanged: no rotation)."""
+
+    def __init__(self, caches: list[torch.Tensor], slot_map: KVSlotMap, num_blocks: int):
+        self.caches = caches
+        self.slot_map = slot_map
+        self.layer_stride = _uniform_layer_stride(caches)
+        self.views = self._strided_views(num_blocks) if None not in slot_map.strides else None
+
+    def _strided_views(self, num_blocks: int) -> list[torch.Tensor]:
+        """Per kind (K, V) and layer, a view [blocks, offset, head, dim]; when the layers sit in
+        one storage at equal spacing, one view per kind with a leading layer dimension."""
+        m = self.slot_map
+        one_for_all = self.layer_stride is not None
+        views = []
+        for first, s_off, s_head, s_dim in m.strides:
+            for cache in self.caches[:1] if one_for_all else self.caches:
+                shape = [num_blocks, m.block_size, *m.coords.shape[2:]]
+                strides = [m.block_stride, s_off, s_head, s_dim]
+                if one_for_all:
+                    shape, strides = [len(self.caches), *shape], [self.layer_stride, *strides]
+                views.append(cache.as_strided(shape, strides, cache.storage_offset() + first))
+        return views
+
+    def copy_slots(self, src: np.ndarray, dst: np.ndarray) -> None:
+        if self.views is None:
+            src_off, dst_off = (self.slot_map.offsets(s).to(self.caches[0].device) for s in (src, dst))
+            for cache in self.caches:
+                flat = _storage_view(cache)
+                flat[dst_off] = flat[src_off]
+            return
+        bs = self.slot_map.block_size
+        for s, d, n in _runs(np.asarray(src, np.int64), np.asarray(dst, np.int64), bs):
+            for view in self.views:
+                view[..., d // bs, d % bs:d % bs + n, :, :] = view[..., s // bs, s % bs:s % bs + n, :, :]
+
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        bs = self.slot_map.block_size
+        slots = lambda blocks: (np.asarray(blocks, np.int64)[:, None] * bs + np.arange(bs)).flatten()  # noqa: E731
+        self.copy_slots(slots(src), slots(dst))
 
 
-def copy_blocks(caches: list[torch.Tensor], slot_map: KVSlotMap, src: list[int], dst: list[int]) -> None:
-    bs = slot_map.block_size
-    slots = lambda blocks: (np.asarray(blocks, np.int64)[:, None] * bs + np.arange(bs)).flatten()  # noqa: E731
-    copy_slots(caches, slot_map, slots(src), slots(dst))
+def _runs(src: np.ndarray, dst: np.ndarray, block_size: int):
+    """(src start, dst start, length) of maximal runs consecutive on both sides within one block."""
+    if src.size == 0:
+        return []
+    breaks = np.nonzero((np.diff(src) != 1) | (np.diff(dst) != 1)
+                        | (src[1:] % block_size == 0) | (dst[1:] % block_size == 0))[0] + 1
+    starts = np.concatenate([[0], breaks])
+    lengths = np.diff(np.concatenate([starts, [src.size]]))
+    return zip(src[starts].tolist(), dst[starts].tolist(), lengths.tolist())
+
+
+def _uniform_layer_stride(caches: list[torch.Tensor]) -> int | None:
+    """Element stride between consecutive layers when all live in one storage at equal spacing."""
+    if len(caches) < 2:
+        return None
+    storage = caches[0].untyped_storage().data_ptr()
+    if any(c.untyped_storage().data_ptr() != storage for c in caches):
+        return None
+    steps = {b.storage_offset() - a.storage_offset() for a, b in zip(caches, caches[1:])}
+    return steps.pop() if len(steps) == 1 else None

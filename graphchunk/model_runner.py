@@ -24,7 +24,7 @@ from graphchunk.chunk_cache import ChunkCache, PseudoSeq, ScheduledPrompt
 from graphchunk.config import ConfigError, GraphChunkConfig
 from graphchunk.frontend import BOUNDARIES_ARG, SALT_ARG
 from graphchunk.keys import KeySpace
-from graphchunk.kv_slots import KVSlotMap, copy_blocks, copy_slots
+from graphchunk.kv_slots import KVCopier, KVSlotMap
 from graphchunk.metrics import METRICS_FILE_ENV, CacheMetrics, MetricsPublisher
 from graphchunk.pool import ChunkPool
 from graphchunk.segments import SegmentedPrompt, split_at
@@ -66,8 +66,9 @@ class ChunkRunnerMixin:
         layer_names = groups[0].layer_names
         forward_context = self.compilation_config.static_forward_context
         self.gc_layers = [forward_context[name] for name in layer_names]
-        self.gc_kv = [layer.kv_cache for layer in self.gc_layers]
-        self.gc_slot_map = self._probe_kv_layout(self.gc_layers[0], groups[0].kv_cache_spec)
+        slot_map = self._probe_kv_layout(self.gc_layers[0], groups[0].kv_cache_spec)
+        self.gc_copier = KVCopier([layer.kv_cache for layer in self.gc_layers], slot_map,
+                                  self.kv_cache_config.num_blocks)
         pool = ChunkPool(self.pool_num_blocks(), self.cache_config.block_size, first_pool_block, self.gc_metrics)
         model = self.model_config
         space = KeySpace(model=f"{model.model}@{model.revision or ''}", dtype=str(model.dtype),
@@ -202,10 +203,10 @@ class ChunkRunnerMixin:
             self.model(input_ids=to(ids), positions=to(positions), intermediate_tensors=None, inputs_embeds=None)
 
     def copy_blocks(self, src_blocks: list[int], dst_blocks: list[int]) -> None:
-        copy_blocks(self.gc_kv, self.gc_slot_map, src_blocks, dst_blocks)
+        self.gc_copier.copy_blocks(src_blocks, dst_blocks)
 
     def copy_slots(self, src_slots: np.ndarray, dst_slots: np.ndarray) -> None:
-        copy_slots(self.gc_kv, self.gc_slot_map, src_slots, dst_slots)
+        self.gc_copier.copy_slots(src_slots, dst_slots)
 
     def graphchunk_stats(self) -> dict[str, float]:
         return self.gc_metrics.snapshot()

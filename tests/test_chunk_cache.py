@@ -1,0 +1,173 @@
+"""The step planner over a fake device whose "KV" of a token records what it was computed from.
+
+A token's fake KV is (the tokens it attended to, its position); the fake forward checks that the
+KV it attends to is already in place, so a missing partial-block copy or a wrong block table fails.
+"""
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from graphchunk.chunk_cache import ChunkCache, PseudoSeq, ScheduledPrompt, split_forward_batches
+from graphchunk.keys import KeySpace
+from graphchunk.pool import ChunkPool, PoolExhausted
+from graphchunk.segments import split_at
+
+BS = 4
+
+
+class FakeDevice:
+    def __init__(self):
+        self.kv = {}
+        self.forward_tokens = 0
+        self.batches = []
+
+    def slot(self, block_ids, i):
+        return block_ids[i // BS] * BS + i % BS
+
+    def forward(self, seqs):
+        self.batches.append(seqs)
+        for seq in seqs:
+            tokens = tuple(seq.token_ids)
+            for j in range(seq.num_cached):
+                assert self.kv.get(self.slot(seq.block_ids, j)) == (tokens[: j + 1], int(seq.positions[j])), \
+                    "a pseudo-sequence attended to KV that is not its causal prefix"
+            for i in range(seq.num_cached, len(tokens)):
+                self.kv[self.slot(seq.block_ids, i)] = (tokens[: i + 1], int(seq.positions[i]))
+                self.forward_tokens += 1
+
+    def copy_blocks(self, src, dst):
+        for s, d in zip(src, dst):
+            for o in range(BS):
+                if s * BS + o in self.kv:
+                    self.kv[d * BS + o] = self.kv[s * BS + o]
+
+    def copy_slots(self, src, dst):
+        for s, d in zip(src.tolist(), dst.tolist()):
+            self.kv[d] = self.kv[s]
+
+
+def expected_kv(seg, t):
+    """Isolated semantics: what logical token t's KV is computed from."""
+    lay = seg.layout
+    sys = seg.sys_tokens
+    if t < lay.sys_len:
+        return sys[: t + 1], t
+    for i, (begin, end) in enumerate(seg.bounds[1:-1]):
+        if begin <= t < end:
+            return sys + seg.chunk_tokens(i)[: t - begin + 1], lay.sys_len + t - begin
+
+
+def make_prompt(sys_len, chunk_lens, q_len=2, base=0):
+    ids, tok = [], 1000 + base
+    lens = [sys_len, *chunk_lens, q_len]
+    for n in lens:
+        ids += [tok + k for k in range(n)]
+        tok += 100
+    boundaries = np.cumsum(lens[:-1]).tolist()
+    return split_at(ids, boundaries, max_chunks=16, max_chunk_len=64)
+
+
+def request_blocks(first, seg):
+    return list(range(first, first + -(-seg.layout.num_tokens // BS)))
+
+
+def cache(num_blocks=64, budget=1000):
+    return ChunkCache(ChunkPool(num_blocks, BS, first_block_id=1000), KeySpace("m", "f32"), budget)
+
+
+def check_context(device, prompt):
+    for t in range(prompt.start, prompt.context_end):
+        slot = device.slot(prompt.block_ids, t)
+        assert device.kv[slot] == expected_kv(prompt.seg, t), f"token {t}"
+
+
+@pytest.mark.parametrize("sys_len", [0, 3, 4, 6])
+def test_context_slots_hold_isolated_kv(sys_len):
+    seg = make_prompt(sys_len, [5, 2, 7])
+    device, cc = FakeDevice(), cache()
+    prompt = ScheduledPrompt(seg, None, 0, seg.layout.num_tokens, request_blocks(0, seg))
+    cc.materialize([prompt], device)
+    check_context(device, prompt)
+    assert prompt.compute_start() == seg.layout.context_len
+    cc.pool.check_invariants()
+    assert cc.pool.metrics.pool_blocks_used > 0 and all(e.ref_count == 0 for e in cc.pool._live)
+
+
+def test_second_request_reuses_chunks_in_any_order():
+    a = make_prompt(3, [5, 6])
+    device, cc = FakeDevice(), cache()
+    cc.materialize([ScheduledPrompt(a, None, 0, a.layout.num_tokens, request_blocks(0, a))], device)
+    computed = device.forward_tokens
+    ids = list(a.sys_tokens) + list(a.chunk_tokens(1)) + list(a.chunk_tokens(0)) + list(a.question_tokens)
+    b = split_at(ids, [3, 9, 14], max_chunks=4, max_chunk_len=64)
+    prompt = ScheduledPrompt(b, None, 0, b.layout.num_tokens, request_blocks(20, b))
+    cc.materialize([prompt], device)
+    assert device.forward_tokens == computed, "all hits: nothing recomputed"
+    check_context(device, prompt)
+    assert cc.metrics.tokens_reused == 11
+
+
+def test_identical_chunks_in_one_step_are_computed_once():
+    a, b = make_prompt(3, [5, 6]), make_prompt(3, [5, 6])
+    device, cc = FakeDevice(), cache()
+    prompts = [ScheduledPrompt(s, None, 0, s.layout.num_tokens, request_blocks(f, s)) for s, f in ((a, 0), (b, 20))]
+    cc.materialize(prompts, device)
+    assert device.forward_tokens == 3 + 5 + 6
+    for p in prompts:
+        check_context(device, p)
+
+
+def test_salt_separates_tenants():
+    a = make_prompt(3, [5])
+    device, cc = FakeDevice(), cache()
+    for salt, first in (("t1", 0), ("t2", 20)):
+        cc.materialize([ScheduledPrompt(a, salt, 0, a.layout.num_tokens, request_blocks(first, a))], device)
+    assert device.forward_tokens == 2 * (3 + 5)
+
+
+@settings(max_examples=60, deadline=None)
+@given(sys_len=st.integers(0, 9), chunk_lens=st.lists(st.integers(1, 12), min_size=1, max_size=5),
+       cuts=st.lists(st.integers(1, 40), min_size=1, max_size=4), budget=st.integers(3, 20))
+def test_chunked_prefill_ranges_fill_exactly_their_slots(sys_len, chunk_lens, cuts, budget):
+    """Any split of the prompt into scheduled ranges fills each range's context slots correctly."""
+    seg = make_prompt(sys_len, chunk_lens)
+    device, cc = FakeDevice(), cache(budget=budget)
+    blocks = request_blocks(0, seg)
+    start = 0
+    for cut in cuts + [seg.layout.num_tokens]:
+        end = min(start + cut, seg.layout.num_tokens)
+        if end <= start:
+            break
+        prompt = ScheduledPrompt(seg, None, start, end, blocks)
+        cc.materialize([prompt], device)
+        check_context(device, prompt)
+        own = prompt.compute_start()
+        assert start <= own < end and (own >= seg.layout.context_len or own == end - 1)
+        start = end
+    assert all(sum(s.num_new for s in batch) <= budget for batch in device.batches)
+    cc.pool.check_invariants()
+
+
+def test_small_pool_runs_the_step_in_groups():
+    # Each unit (sys + one chunk) fits; all of them at once do not.
+    segs = [make_prompt(4, [8, 8], base=b) for b in range(3)]
+    device, cc = FakeDevice(), cache(num_blocks=7)
+    prompts = [ScheduledPrompt(s, None, 0, s.layout.num_tokens, request_blocks(30 * i, s)) for i, s in enumerate(segs)]
+    cc.materialize(prompts, device)
+    for p in prompts:
+        check_context(device, p)
+    assert cc.metrics.evictions > 0
+    cc.pool.check_invariants()
+
+
+def test_unit_larger_than_pool_surfaces():
+    seg = make_prompt(4, [30])
+    with pytest.raises(PoolExhausted):
+        cache(num_blocks=5).materialize([ScheduledPrompt(seg, None, 0, seg.layout.num_tokens, request_blocks(0, seg))],
+                                        FakeDevice())
+
+
+def test_split_forward_batches_respects_budget_and_order():
+    seqs = [PseudoSeq(list(range(10)), np.arange(10), [0, 1, 2], 2), PseudoSeq([1, 2, 3], np.arange(3), [5], 0)]
+    batches = split_forward_batches(seqs, 4)
+    assert [[(len(s.token_ids), s.num_cached) for s in b] for b in batches] == [[(6, 2)], [(10, 6)], [(3, 0)]]

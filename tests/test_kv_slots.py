@@ -1,0 +1,60 @@
+"""KV layout probe and slot copies against vLLM's CPU attention KV-write kernel."""
+import numpy as np
+import pytest
+import torch
+from vllm import _custom_ops as ops
+from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+from graphchunk.kv_slots import KVCopier, KVSlotMap, _runs
+
+BS, HEADS, DIM, BLOCKS, LAYERS = 32, 3, 64, 8, 4
+
+
+def write(dtype):
+    isa = _get_attn_isa(dtype, BS, DIM)
+
+    def write_kv(key, value, cache, slots):
+        blocks = cache.shape[0]
+        k_cache, v_cache = cache.view(blocks, HEADS, 2 * BS, DIM).chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(key, value, k_cache, v_cache, slots, isa)
+    return write_kv
+
+
+def layer_caches(dtype, shared: bool):
+    shape = (BLOCKS, HEADS, BS, 2 * DIM)
+    if shared:  # as vLLM allocates: one buffer, layer-outermost views
+        buffer = torch.zeros((LAYERS, *shape), dtype=dtype)
+        return [buffer[i] for i in range(LAYERS)]
+    return [torch.zeros(shape, dtype=dtype) for _ in range(LAYERS)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shared", [True, False])
+@pytest.mark.parametrize("strided", [True, False])
+def test_copy_equals_writing_at_the_destination(dtype, shared, strided):
+    write_kv = write(dtype)
+    slot_map = KVSlotMap.probe(write_kv, lambda n: torch.zeros((n, HEADS, BS, 2 * DIM), dtype=dtype),
+                               BS, HEADS, DIM, dtype, "cpu")
+    assert None not in slot_map.strides, "the CPU layout is affine"
+    src = np.arange(70) + 1 * BS + 5  # crosses block boundaries at other offsets than dst
+    dst = np.concatenate([np.arange(40) + 5 * BS + 17, np.arange(30) + 7 * BS + 1])  # disjoint from src, as pool and request slots are
+    got, want = layer_caches(dtype, shared), layer_caches(dtype, shared)
+    torch.manual_seed(0)
+    for g, w in zip(got, want):
+        key, value = torch.randn(70, HEADS, DIM).to(dtype), torch.randn(70, HEADS, DIM).to(dtype)
+        write_kv(key, value, g, torch.from_numpy(src))
+        write_kv(key, value, w, torch.from_numpy(src))
+        write_kv(key, value, w, torch.from_numpy(dst))
+    copier = KVCopier(got, slot_map, BLOCKS)
+    assert (copier.layer_stride is not None) == shared
+    if not strided:
+        copier.views = None  # the flat-gather path used for non-affine layouts
+    copier.copy_slots(src, dst)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
+def test_runs_split_at_breaks_and_block_edges():
+    src = np.array([3, 4, 5, 6, 7, 20, 21])
+    dst = np.array([10, 11, 12, 13, 14, 15, 16])
+    assert list(_runs(src, dst, 4)) == [(3, 10, 1), (4, 11, 1), (5, 12, 3), (20, 15, 1), (21, 16, 1)]
