@@ -22,7 +22,7 @@ model: setup
 	$(BIN)/graphchunk-model smollm2
 
 demo: model
-	$(BIN)/graphchunk-demo
+	$(BIN)/graphchunk-serve-demo
 
 test: model
 	$(BIN)/python -m pytest

@@ -121,9 +121,9 @@ class ChunkCache:
         try:
             sys_entry = self._acquire_sys(seg, prompt.salt, group, acquired) if sys_len else None
             if chunk is None:
-                src = _slots(sys_entry.block_ids, np.arange(lo, hi), self.block_size)
+                entry, src = sys_entry, _slots(sys_entry.block_ids, np.arange(lo, hi), self.block_size)
             else:
-                entry = self._acquire_chunk(seg, chunk, sys_entry, prompt.salt, group, acquired, hi - lo)
+                entry = self._acquire_chunk(seg, chunk, sys_entry, prompt.salt, group, acquired)
                 begin = seg.bounds[1 + chunk][0]
                 src = _slots(entry.block_ids, sys_len % self.block_size + np.arange(lo - begin, hi - begin),
                              self.block_size)
@@ -132,6 +132,8 @@ class ChunkCache:
             for entry in acquired:
                 self.pool.release(entry)
             raise
+        if entry.ready:
+            self.metrics.tokens_reused += hi - lo
         group.held.extend(acquired)
         group.copies.append((src, _slots(prompt.block_ids, np.arange(lo, hi), self.block_size)))
 
@@ -144,16 +146,21 @@ class ChunkCache:
         acquired.append(entry)
         return entry
 
-    def _acquire_chunk(self, seg, i, sys_entry, salt, group, acquired, num_copied) -> PoolEntry:
+    def _acquire_chunk(self, seg, i, sys_entry, salt, group, acquired) -> PoolEntry:
+        """The chunk's entry; the metrics count chunk lookups only (a sys prompt is looked up
+        once per chunk it precedes, which would inflate them)."""
         chunk = seg.chunk_tokens(i)
         tokens = seg.sys_tokens + chunk
-        key = chunk_key(self.space, seg.sys_tokens, chunk, salt)
-        entry = self.pool.lookup(key, tokens)
+        with self.metrics.timed_lookup():
+            key = chunk_key(self.space, seg.sys_tokens, chunk, salt)
+            entry = self.pool.lookup(key, tokens)
         if entry is None:
             entry = self.pool.insert(key, tokens, seg.layout.sys_len % self.block_size + len(chunk))
             group.chunk_misses.append((entry, sys_entry, seg, i))
-        elif entry.ready:
-            self.metrics.tokens_reused += num_copied
+            self.metrics.misses += 1
+        else:
+            self.metrics.hits += 1
+        self.metrics.lookups += 1
         acquired.append(entry)
         return entry
 

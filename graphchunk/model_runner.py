@@ -130,7 +130,7 @@ class ChunkRunnerMixin:
             prompt = ScheduledPrompt(seg, salt, start, end, ())
             own_start = prompt.compute_start()
             self.gc_metrics.tokens_computed += max(0, min(end, seg.layout.num_tokens) - max(own_start, start))
-            if own_start != start:
+            if start < seg.layout.context_len:  # also when own_start == start: one context token scheduled
                 self.gc_pending.append((req_id, seg, salt, start, end))
                 shrink[req_id] = own_start
                 if own_start < seg.layout.context_len:

@@ -16,16 +16,33 @@ def register() -> None:
         return
     _export_metrics()
     original = InputProcessor.process_inputs
+    RequestError = _request_error_class()
 
     def process_inputs(self, request_id, prompt, params, *args, **kwargs):
         request = original(self, request_id, prompt, params, *args, **kwargs)
         annotator = _annotator(self)
         if annotator is not None:
-            annotator.annotate(request)
+            try:
+                annotator.annotate(request)
+            except ValueError as exc:
+                raise RequestError(str(exc)) from exc
         return request
 
     process_inputs._graphchunk = True
     InputProcessor.process_inputs = process_inputs
+
+
+def _request_error_class() -> type:
+    """A client error for bad graphchunk input. vLLM 0.32's AsyncLLM turns any other exception
+    from ``process_inputs`` (plain ValueError included) into EngineGenerateError, an HTTP 500
+    with an empty message; VLLMValidationError passes through and becomes a 400 carrying the
+    message. It stays a ValueError for ``GraphChunkLLM`` / ``vllm.LLM`` callers."""
+    from vllm.exceptions import VLLMValidationError
+
+    class GraphChunkRequestError(VLLMValidationError, ValueError):
+        pass
+
+    return GraphChunkRequestError
 
 
 def _annotator(processor):

@@ -55,15 +55,11 @@ class ChunkPool:
 
     def lookup(self, key: bytes, tokens: tuple[int, ...]) -> PoolEntry | None:
         """The ready or in-flight entry for ``key`` whose tokens match, acquired; else None."""
-        with self.metrics.timed_lookup():
-            self.metrics.lookups += 1
-            entry = self._index.get(key)
-            if entry is None or entry.tokens != tokens:
-                self.metrics.misses += 1
-                return None
-            self.metrics.hits += 1
-            self.acquire(entry)
-            return entry
+        entry = self._index.get(key)
+        if entry is None or entry.tokens != tokens:
+            return None
+        self.acquire(entry)
+        return entry
 
     def insert(self, key: bytes, tokens: tuple[int, ...], num_tokens: int) -> PoolEntry:
         """A new entry with room for ``num_tokens``, acquired once, not yet ready."""

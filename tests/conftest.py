@@ -30,3 +30,44 @@ def tokenizer(smollm2_path):
 def oracle(smollm2_path):
     """Isolated-mode reference on SmolLM2-135M in fp32."""
     return Oracle(smollm2_path, dtype=torch.float32)
+
+
+# --- real text ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def paragraphs():
+    """Paragraphs of CPython's help topics (``pydoc_data.topics``), whitespace collapsed and '#'
+    removed (so that no separator occurs in them), in a fixed order; each at least 200 characters."""
+    from pydoc_data.topics import topics
+
+    found = []
+    for name in sorted(topics):
+        for paragraph in topics[name].replace("#", "").split("\n\n"):
+            text = " ".join(paragraph.split())
+            if len(text) >= 200 and text.isascii():
+                found.append(text)
+    return found
+
+
+# --- engine -------------------------------------------------------------------------------------
+
+GC_LLM_BLOCK_SIZE = 32
+"""vLLM's CPU attention needs a multiple of 32; small blocks put block boundaries inside chunks."""
+GC_LLM_MAX_BATCHED_TOKENS = 256
+"""Prompts longer than this run as several chunked-prefill steps; shorter ones in one."""
+
+
+@pytest.fixture(scope="session")
+def gc_llm(smollm2_path):
+    """One GraphChunkLLM engine (SmolLM2-135M, fp32, eager, prefix caching on) for the whole
+    session; starting one takes ~30-40 s."""
+    from graphchunk import GraphChunkLLM
+
+    llm = GraphChunkLLM(str(smollm2_path), dtype="float32", max_model_len=2048, enforce_eager=True,
+                        gpu_memory_utilization=0.3, kv_cache_memory_bytes=1 << 30,
+                        max_num_batched_tokens=GC_LLM_MAX_BATCHED_TOKENS, block_size=GC_LLM_BLOCK_SIZE,
+                        enable_prefix_caching=True, graphchunk={"pool_tokens": 8192})
+    try:
+        yield llm
+    finally:
+        llm.shutdown()

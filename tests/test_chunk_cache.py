@@ -98,13 +98,14 @@ def test_second_request_reuses_chunks_in_any_order():
     device, cc = FakeDevice(), cache()
     cc.materialize([ScheduledPrompt(a, None, 0, a.layout.num_tokens, request_blocks(0, a))], device)
     computed = device.forward_tokens
+    assert (cc.metrics.lookups, cc.metrics.misses, cc.metrics.hits, cc.metrics.tokens_reused) == (2, 2, 0, 0)
     ids = list(a.sys_tokens) + list(a.chunk_tokens(1)) + list(a.chunk_tokens(0)) + list(a.question_tokens)
     b = split_at(ids, [3, 9, 14], max_chunks=4, max_chunk_len=64)
     prompt = ScheduledPrompt(b, None, 0, b.layout.num_tokens, request_blocks(20, b))
     cc.materialize([prompt], device)
     assert device.forward_tokens == computed, "all hits: nothing recomputed"
     check_context(device, prompt)
-    assert cc.metrics.tokens_reused == 11
+    assert (cc.metrics.lookups, cc.metrics.hits, cc.metrics.tokens_reused) == (4, 2, 3 + 11)
 
 
 def test_identical_chunks_in_one_step_are_computed_once():
@@ -113,6 +114,7 @@ def test_identical_chunks_in_one_step_are_computed_once():
     prompts = [ScheduledPrompt(s, None, 0, s.layout.num_tokens, request_blocks(f, s)) for s, f in ((a, 0), (b, 20))]
     cc.materialize(prompts, device)
     assert device.forward_tokens == 3 + 5 + 6
+    assert (cc.metrics.misses, cc.metrics.hits) == (2, 2)  # b found a's in-flight entries
     for p in prompts:
         check_context(device, p)
 

