@@ -16,7 +16,8 @@ from graphchunk.segments import SegmentationError, SegmentedPrompt, SeparatorSpl
 BOUNDARIES_ARG = "graphchunk_boundaries"
 """extra_args / vllm_xargs key: start indices of each chunk and of the question."""
 SALT_ARG = "graphchunk_salt"
-"""extra_args key set here: the request's own cache_salt, part of every chunk key."""
+"""extra_args key set here: what besides tokens and model sets a chunk's KV (the request's own
+cache_salt, for tenant isolation, and its LoRA adapter); part of every chunk key."""
 
 
 def is_graphchunk_worker(worker_cls) -> bool:
@@ -54,10 +55,19 @@ class RequestAnnotator:
             return
         if params.prompt_logprobs is not None:
             raise SegmentationError("prompt_logprobs are not available for segmented prompts")
+        if getattr(request, "mm_features", None):
+            raise SegmentationError("segmented prompts cannot carry multimodal inputs")
         args[BOUNDARIES_ARG] = [b for b, _ in seg.bounds[1:]]
-        args[SALT_ARG] = request.cache_salt
+        args[SALT_ARG] = kv_salt(request)
         params.extra_args = args
         request.cache_salt = f"{request.cache_salt or ''}|graphchunk:{layout_fingerprint(seg)}"
+
+
+def kv_salt(request) -> str | None:
+    lora = getattr(request, "lora_request", None)
+    if lora is None:
+        return request.cache_salt
+    return f"{request.cache_salt or ''}|lora:{lora.lora_name}"
 
 
 def layout_fingerprint(seg: SegmentedPrompt) -> str:

