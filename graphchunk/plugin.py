@@ -61,13 +61,14 @@ def _annotator(processor):
 
 
 def _export_metrics() -> None:
-    """In the first process that loads the plugin (the API server): name the metrics file the
-    worker will publish to, and serve it on /metrics. Children inherit the name."""
-    import os
+    """In a main process (the API server, or a program using GraphChunkLLM): name a fresh
+    metrics file for the worker to publish to, and serve it on /metrics. vLLM's engine-core and
+    worker processes are multiprocessing children: they inherit the name instead."""
+    import multiprocessing
 
     from graphchunk import metrics
 
-    if metrics.METRICS_FILE_ENV in os.environ:
+    if multiprocessing.parent_process() is not None:
         return
     metrics.new_metrics_file()
     from prometheus_client import REGISTRY
