@@ -36,11 +36,13 @@ def print_plan(name: str, seg: SegmentedPrompt, pool: ChunkPool, space: KeySpace
     lay = seg.layout
     print(f"\n{name}: S={lay.sys_len} chunks={list(lay.chunk_lens)} Q={lay.question_len} "
           f"-> question positions start at S+M={lay.question_position}, decode offset {lay.position_offset}")
+    hits = 0
     for i in range(lay.num_chunks):
         tokens = seg.sys_tokens + seg.chunk_tokens(i)
         key = chunk_key(space, seg.sys_tokens, seg.chunk_tokens(i))
         entry = pool.lookup(key, tokens)
         verdict = "hit " if entry else "miss"
+        hits += entry is not None
         if entry is None:  # a miss is prefilled as sys ‖ chunk into these pool blocks
             entry = pool.insert(key, tokens, len(seg.chunk_tokens(i)))
             pool.mark_ready(entry)
@@ -50,7 +52,7 @@ def print_plan(name: str, seg: SegmentedPrompt, pool: ChunkPool, space: KeySpace
               f"positions [{lay.sys_len},{lay.sys_len + end - start}) blocks {entry.block_ids}  {text[:50]!r}")
         pool.release(entry)
     m = pool.metrics
-    print(f"  pool: {m.hits} hits / {m.lookups} lookups, {m.pool_blocks_used}/{m.pool_blocks_total} blocks used")
+    print(f"  pool: {hits}/{lay.num_chunks} chunks hit, {m.pool_blocks_used}/{m.pool_blocks_total} blocks used")
 
 
 def main(argv: list[str] | None = None) -> None:
