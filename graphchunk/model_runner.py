@@ -40,7 +40,7 @@ class ChunkRunnerMixin:
         self.gc_config = config
         self.gc_metrics = CacheMetrics()
         self.gc_prompts: dict[str, tuple[SegmentedPrompt, str | None]] = {}
-        self.gc_pending: list[tuple[str, SegmentedPrompt, str | None, int, int]] = []
+        self.gc_pending: list[tuple[str, ScheduledPrompt]] = []
         self.gc_dummy: set[str] = set()
         self.gc_cache: ChunkCache | None = None
         path = os.environ.get(METRICS_FILE_ENV)
@@ -131,16 +131,16 @@ class ChunkRunnerMixin:
             own_start = prompt.compute_start()
             self.gc_metrics.tokens_computed += max(0, min(end, seg.layout.num_tokens) - max(own_start, start))
             if start < seg.layout.context_len:  # also when own_start == start: one context token scheduled
-                self.gc_pending.append((req_id, seg, salt, start, end))
+                self.gc_pending.append((req_id, prompt))
                 shrink[req_id] = own_start
                 if own_start < seg.layout.context_len:
                     self.gc_dummy.add(req_id)
-        return _shrunk(so, shrink) if shrink else so
+        return _shrunk(so, computed, shrink) if shrink else so
 
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         if self.gc_pending:
-            prompts = [ScheduledPrompt(seg, salt, start, end, self.requests[req_id].block_ids[0])
-                       for req_id, seg, salt, start, end in self.gc_pending]
+            prompts = [dataclasses.replace(prompt, block_ids=self.requests[req_id].block_ids[0])
+                       for req_id, prompt in self.gc_pending]
             self.gc_pending = []
             with torch.inference_mode():
                 self.gc_cache.materialize(prompts, self)
@@ -216,8 +216,9 @@ def chunk_runner_class(base: type) -> type:
     return type(f"GraphChunk{base.__name__}", (ChunkRunnerMixin, base), {})
 
 
-def _shrunk(so, new_starts: dict[str, int]):
-    """A copy of the scheduler output whose requests in ``new_starts`` compute from there on."""
+def _shrunk(so, computed: dict[str, int], new_starts: dict[str, int]):
+    """A copy of the scheduler output whose requests in ``new_starts`` compute from there on
+    (``computed``: each scheduled request's original start)."""
     num_tokens = dict(so.num_scheduled_tokens)
     removed = 0
     new_reqs = []
@@ -227,11 +228,9 @@ def _shrunk(so, new_starts: dict[str, int]):
         new_reqs.append(req)
     cached = so.scheduled_cached_reqs
     cached_computed = [new_starts.get(r, n) for r, n in zip(cached.req_ids, cached.num_computed_tokens)]
-    old = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
-    old.update(zip(cached.req_ids, cached.num_computed_tokens))
     for req_id, start in new_starts.items():
-        num_tokens[req_id] -= start - old[req_id]
-        removed += start - old[req_id]
+        num_tokens[req_id] -= start - computed[req_id]
+        removed += start - computed[req_id]
     return dataclasses.replace(
         so, scheduled_new_reqs=new_reqs, num_scheduled_tokens=num_tokens,
         total_num_scheduled_tokens=so.total_num_scheduled_tokens - removed,
