@@ -27,6 +27,9 @@ class GraphChunkConfig:
     """Chunk-pool budget in tokens of KV (rounded up to whole blocks)."""
     mode: str = "isolated"
     """'isolated' (exact, DESIGN.md §2) or 'blend' (approximate reuse)."""
+    templates: str = ""
+    """Graph-template grid captured at start-up: a name in graph_templates/ ('cpu') or a .toml path;
+    '' runs every step eager."""
 
     def __post_init__(self):
         for name, kind in _TYPES.items():
@@ -57,4 +60,4 @@ class GraphChunkConfig:
         return cls.from_dict(section)
 
 
-_TYPES = {"separator": str, "max_chunks": int, "max_chunk_len": int, "pool_tokens": int, "mode": str}
+_TYPES = {"separator": str, "max_chunks": int, "max_chunk_len": int, "pool_tokens": int, "mode": str, "templates": str}

@@ -116,6 +116,14 @@ class GraphChunkLLM:
         """Chunk-cache metrics of the (first) worker."""
         return self.llm.collective_rpc("graphchunk_stats")[0]
 
+    def templates_manifest(self) -> dict | None:
+        """The captured graph templates (grid, backend, capture time and memory per bucket)."""
+        return self.llm.collective_rpc("graphchunk_templates_manifest")[0]
+
+    def use_templates(self, enabled: bool) -> None:
+        """Replay graph templates (the default when configured), or run every step eager."""
+        self.llm.collective_rpc("graphchunk_use_templates", args=(enabled,))
+
     def published_stats(self) -> dict[str, float] | None:
         """The metrics as /metrics exports them (published by the worker after each step)."""
         return read_published(self.metrics_file)

@@ -17,6 +17,9 @@ class CacheMetrics:
     pool_blocks_used: int = 0
     pool_blocks_total: int = 0
     lookup_seconds: float = 0.0
+    graph_captures: int = 0
+    graph_replays: int = 0
+    graph_fallbacks: int = 0
 
     @property
     def pool_utilization(self) -> float:
@@ -44,7 +47,8 @@ class CacheMetrics:
 # file of float64s named by GRAPHCHUNK_METRICS_FILE, which child processes inherit.
 
 METRICS_FILE_ENV = "GRAPHCHUNK_METRICS_FILE"
-COUNTERS = ("lookups", "hits", "misses", "evictions", "tokens_reused", "tokens_computed", "lookup_seconds")
+COUNTERS = ("lookups", "hits", "misses", "evictions", "tokens_reused", "tokens_computed", "lookup_seconds",
+            "graph_captures", "graph_replays", "graph_fallbacks")
 GAUGES = ("pool_blocks_used", "pool_blocks_total", "pool_utilization", "hit_rate")
 FIELDS = COUNTERS + GAUGES
 HELP = {
@@ -55,6 +59,9 @@ HELP = {
     "lookup_seconds": "Time spent in pool lookups", "pool_blocks_used": "Pool blocks holding KV",
     "pool_blocks_total": "Pool blocks in the budget", "pool_utilization": "Used fraction of the pool",
     "hit_rate": "hits / lookups",
+    "graph_captures": "Graph templates captured (one per bucket)",
+    "graph_replays": "Cached-chunk prefill steps that replayed a graph template",
+    "graph_fallbacks": "Cached-chunk prefill steps that ran eager (no bucket fits, or a replay miss)",
 }
 
 

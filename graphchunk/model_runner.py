@@ -7,7 +7,10 @@ Mixed into the platform's runner class (``chunk_runner_class``); per step:
                    computes itself to the question (``ScheduledPrompt.compute_start``);
 ``_prepare_inputs`` (after vLLM updated its block tables) fills the context slots from the
                    chunk pool — computing misses first — then lets vLLM prepare the shrunken
-                   batch and rewrites RoPE positions of question and generated tokens (§2).
+                   batch and rewrites RoPE positions of question and generated tokens (§2);
+``_determine_batch_execution_and_padding`` / ``_model_forward``
+                   pad a step whose requests compute only their question over cached context to
+                   its bucket and replay the bucket's graph template (``templates.py``).
 
 Slot mapping follows the logical index and was computed by vLLM before the rewrite.
 """
@@ -20,6 +23,7 @@ import os
 import numpy as np
 import torch
 
+from graphchunk.buckets import Bucket, RequestShape, load_grid
 from graphchunk.chunk_cache import ChunkCache, PseudoSeq, ScheduledPrompt
 from graphchunk.config import ConfigError, GraphChunkConfig
 from graphchunk.frontend import BOUNDARIES_ARG, SALT_ARG
@@ -28,6 +32,7 @@ from graphchunk.kv_slots import KVCopier, KVSlotMap
 from graphchunk.metrics import METRICS_FILE_ENV, CacheMetrics, MetricsPublisher
 from graphchunk.pool import ChunkPool
 from graphchunk.segments import SegmentedPrompt, split_at
+from graphchunk.templates import GraphTemplates
 
 logger = logging.getLogger("graphchunk")
 
@@ -43,6 +48,8 @@ class ChunkRunnerMixin:
         self.gc_pending: list[tuple[str, ScheduledPrompt]] = []
         self.gc_dummy: set[str] = set()
         self.gc_cache: ChunkCache | None = None
+        self.gc_templates = GraphTemplates(load_grid(config.templates), self.gc_metrics) if config.templates else None
+        self.gc_bucket: Bucket | None = None
         path = os.environ.get(METRICS_FILE_ENV)
         self.gc_publisher = MetricsPublisher(path) if path else None
 
@@ -96,6 +103,7 @@ class ChunkRunnerMixin:
 
     def execute_model(self, scheduler_output, intermediate_tensors=None):
         so = scheduler_output
+        self.gc_bucket = None
         for req_id in so.finished_req_ids:
             self.gc_prompts.pop(req_id, None)
         for new_req in so.scheduled_new_reqs:
@@ -122,19 +130,26 @@ class ChunkRunnerMixin:
         cached = so.scheduled_cached_reqs
         computed.update(zip(cached.req_ids, cached.num_computed_tokens))
         shrink, self.gc_pending, self.gc_dummy = {}, [], set()
+        questions = []  # requests computing only question tokens over their context this step
         for req_id, num_tokens in so.num_scheduled_tokens.items():
             if req_id not in self.gc_prompts:
                 continue
             seg, salt = self.gc_prompts[req_id]
+            lay = seg.layout
             start, end = computed[req_id], computed[req_id] + num_tokens
             prompt = ScheduledPrompt(seg, salt, start, end, ())
             own_start = prompt.compute_start()
-            self.gc_metrics.tokens_computed += max(0, min(end, seg.layout.num_tokens) - max(own_start, start))
-            if start < seg.layout.context_len:  # also when own_start == start: one context token scheduled
+            self.gc_metrics.tokens_computed += max(0, min(end, lay.num_tokens) - max(own_start, start))
+            if start < lay.context_len:  # also when own_start == start: one context token scheduled
                 self.gc_pending.append((req_id, prompt))
                 shrink[req_id] = own_start
-                if own_start < seg.layout.context_len:
+                if own_start < lay.context_len:
                     self.gc_dummy.add(req_id)
+            if lay.context_len <= own_start < lay.num_tokens:
+                questions.append(RequestShape(lay.sys_len, lay.chunk_lens, end - own_start))
+        if questions and self.gc_templates is not None:
+            only_questions = len(questions) == len(so.num_scheduled_tokens)
+            self.gc_bucket = self.gc_templates.choose(questions if only_questions else None)
         return _shrunk(so, computed, shrink) if shrink else so
 
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
@@ -164,6 +179,41 @@ class ChunkRunnerMixin:
                 continue
             first = begin + max(0, layout.context_len - int(batch.num_computed_tokens_cpu[index]))
             self.positions[first:end] += layout.position_offset
+
+    # --- graph templates -------------------------------------------------------------------------
+
+    def graphchunk_capture_templates(self) -> None:
+        """Captures every bucket of the grid over vLLM's persistent input buffers (before any request)."""
+        if self.gc_templates is None:
+            return
+        from vllm.forward_context import set_forward_context
+
+        def inputs_for(bucket: Bucket) -> dict:
+            n = bucket.num_tokens
+            self.input_ids.gpu[:n] = 0
+            self.positions[:n] = 0
+            return dict(input_ids=self.input_ids.gpu[:n], positions=self.positions[:n],
+                        intermediate_tensors=None, inputs_embeds=None)
+
+        def context_for(bucket: Bucket):  # no attention metadata: attention and KV writes are skipped
+            return set_forward_context(None, self.vllm_config, num_tokens=bucket.num_tokens, slot_mapping={})
+
+        with torch.inference_mode():
+            self.gc_templates.capture_all(self.model, inputs_for, context_for, self.device)
+        if self.gc_publisher is not None:
+            self.gc_publisher.publish(self.gc_metrics)
+
+    def _determine_batch_execution_and_padding(self, *args, **kwargs):
+        result = super()._determine_batch_execution_and_padding(*args, **kwargs)
+        if self.gc_bucket is None:
+            return result
+        mode, batch_desc, *rest = result
+        return (mode, dataclasses.replace(batch_desc, num_tokens=self.gc_bucket.num_tokens), *rest)
+
+    def _model_forward(self, **inputs):
+        bucket, self.gc_bucket = self.gc_bucket, None
+        eager = super()._model_forward
+        return eager(**inputs) if bucket is None else self.gc_templates.replay(bucket, eager, **inputs)
 
     # --- KVDevice --------------------------------------------------------------------------------
 

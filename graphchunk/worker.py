@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 
+from graphchunk.buckets import BucketGrid, load_grid
 from graphchunk.config import ConfigError, GraphChunkConfig
 from graphchunk.model_runner import chunk_runner_class
 
@@ -45,6 +46,8 @@ def check_config(vllm_config, config: GraphChunkConfig) -> None:
         raise ConfigError("graphchunk does not support speculative decoding")
     if config.mode != "isolated":
         raise ConfigError(f"graphchunk.mode={config.mode!r} is not available yet; use 'isolated'")
+    if config.templates:
+        check_grid(vllm_config, load_grid(config.templates))
     block_size = vllm_config.cache_config.block_size
     # One unit of chunk work holds a sys prompt (up to max_model_len) and one chunk.
     needed = -(-vllm_config.model_config.max_model_len // block_size) + 1 + -(-config.max_chunk_len // block_size)
@@ -52,6 +55,23 @@ def check_config(vllm_config, config: GraphChunkConfig) -> None:
         raise ConfigError(f"graphchunk.pool_tokens={config.pool_tokens} is too small: the pool must hold a sys "
                           f"prompt of max_model_len tokens plus one chunk of max_chunk_len tokens, "
                           f"{needed * block_size} tokens at block size {block_size}")
+
+
+RUNNER_BACKENDS = ("eager", "compile")
+"""Backends whose templates the runner can capture without attention metadata: torch.compile keeps
+vLLM's attention an opaque op that reads each step's metadata. Device graphs (cuda_graph,
+npu_graph, torchair) would bake the capture-time metadata in; they run in perf/bench_templates.py."""
+
+
+def check_grid(vllm_config, grid: BucketGrid) -> None:
+    if grid.backend not in RUNNER_BACKENDS:
+        raise ConfigError(f"graphchunk.templates: {grid.source} uses backend {grid.backend!r}; inside vLLM "
+                          f"graphchunk captures {RUNNER_BACKENDS} templates only")
+    max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
+    too_big = [b.name for b in grid.buckets if b.num_tokens > max_tokens]
+    if too_big:
+        raise ConfigError(f"graphchunk.templates: buckets {too_big} pad to more tokens than "
+                          f"max_num_batched_tokens={max_tokens}")
 
 
 def make_runner_class() -> type:
@@ -77,6 +97,22 @@ def make_runner_class() -> type:
                 raise ConfigError(f"graphchunk.pool_tokens={self.gc_config.pool_tokens} needs {pool_bytes} bytes "
                                   f"of KV cache but only {available} are available")
             return available - pool_bytes
+
+        def compile_or_warm_up_model(self):
+            times = super().compile_or_warm_up_model()
+            self.model_runner.graphchunk_capture_templates()
+            return times
+
+        def graphchunk_templates_manifest(self) -> dict | None:
+            templates = self.model_runner.gc_templates
+            return templates.manifest() if templates is not None else None
+
+        def graphchunk_use_templates(self, enabled: bool) -> bool:
+            templates = self.model_runner.gc_templates
+            if templates is None:
+                raise ConfigError("no graph templates: start the engine with graphchunk.templates set")
+            templates.enabled = enabled
+            return enabled
 
         def graphchunk_stats(self) -> dict[str, float]:
             return self.model_runner.graphchunk_stats()

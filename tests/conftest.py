@@ -1,5 +1,6 @@
 """Shared fixtures. Models are provisioned once into $GRAPHCHUNK_HOME (default ~/.cache/graphchunk)."""
 import os
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -55,18 +56,21 @@ GC_LLM_BLOCK_SIZE = 32
 """vLLM's CPU attention needs a multiple of 32; small blocks put block boundaries inside chunks."""
 GC_LLM_MAX_BATCHED_TOKENS = 256
 """Prompts longer than this run as several chunked-prefill steps; shorter ones in one."""
+GC_LLM_TEMPLATES = Path(__file__).parent / "data" / "templates.toml"
+"""Graph templates replayed by every cached-chunk prefill step that fits (the exactness tests run through them)."""
 
 
 @pytest.fixture(scope="session")
 def gc_llm(smollm2_path):
-    """One GraphChunkLLM engine (SmolLM2-135M, fp32, eager, prefix caching on) for the whole
-    session; starting one takes ~30-40 s."""
+    """One GraphChunkLLM engine (SmolLM2-135M, fp32, eager, prefix caching on, compiled graph
+    templates) for the whole session; starting one takes ~30-40 s plus ~1 min of template capture."""
     from graphchunk import GraphChunkLLM
 
     llm = GraphChunkLLM(str(smollm2_path), dtype="float32", max_model_len=2048, enforce_eager=True,
                         gpu_memory_utilization=0.3, kv_cache_memory_bytes=1 << 30,
                         max_num_batched_tokens=GC_LLM_MAX_BATCHED_TOKENS, block_size=GC_LLM_BLOCK_SIZE,
-                        enable_prefix_caching=True, graphchunk={"pool_tokens": 8192})
+                        enable_prefix_caching=True,
+                        graphchunk={"pool_tokens": 8192, "templates": str(GC_LLM_TEMPLATES)})
     try:
         yield llm
     finally:
