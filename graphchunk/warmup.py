@@ -35,8 +35,13 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from graphchunk import GraphChunkLLM, models
     from graphchunk.buckets import load_grid
+    from graphchunk.config import ConfigError
 
-    grid = load_grid(args.templates)  # a bad spec fails here, before an engine starts
+    try:
+        grid = load_grid(args.templates)  # a bad spec fails here, before an engine starts
+    except ConfigError as exc:
+        print(f"graphchunk-warmup: error: {exc}", file=sys.stderr)
+        return 2
     model = args.model or str(models.smollm2_path())
     print(f"graphchunk-warmup: {len(grid.buckets)} buckets of {grid.source} ({grid.backend}) for {model}",
           file=sys.stderr, flush=True)

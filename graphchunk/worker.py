@@ -64,6 +64,11 @@ npu_graph, torchair) would bake the capture-time metadata in; they run in perf/b
 
 
 def check_grid(vllm_config, grid: BucketGrid) -> None:
+    from vllm.config import CompilationMode
+
+    if vllm_config.compilation_config.mode != CompilationMode.NONE:
+        raise ConfigError("graphchunk.templates compiles the cached-chunk prefill itself; start vLLM with "
+                          "--enforce-eager (vLLM's own compilation and CUDA graphs would wrap the same model)")
     if grid.backend not in RUNNER_BACKENDS:
         raise ConfigError(f"graphchunk.templates: {grid.source} uses backend {grid.backend!r}; inside vLLM "
                           f"graphchunk captures {RUNNER_BACKENDS} templates only")

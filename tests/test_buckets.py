@@ -95,14 +95,20 @@ def test_bucket_shape():
     assert (bucket.num_tokens, bucket.max_context_len, bucket.name) == (64, 96 + 8 * 384, "b2-c8x384-s96-q32")
 
 
-def test_runner_refuses_device_graph_backends_and_oversized_buckets():
-    config = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_batched_tokens=48))
+def test_runner_refuses_device_graph_backends_oversized_buckets_and_vllm_compilation():
+    from vllm.config import CompilationMode
+
+    config = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_batched_tokens=48),
+                             compilation_config=SimpleNamespace(mode=CompilationMode.NONE))
     with pytest.raises(ConfigError, match="uses backend 'cuda_graph'"):
         check_grid(config, load_grid("h100"))
     with pytest.raises(ConfigError, match=r"\['b2-c2x128-s96-q32'.*max_num_batched_tokens=48"):
         check_grid(config, GRID_BUCKETS)
     config.scheduler_config.max_num_batched_tokens = 64
     check_grid(config, GRID_BUCKETS)
+    config.compilation_config.mode = CompilationMode.VLLM_COMPILE
+    with pytest.raises(ConfigError, match="--enforce-eager"):
+        check_grid(config, GRID_BUCKETS)
 
 
 # --- backends -----------------------------------------------------------------------------------

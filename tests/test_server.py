@@ -7,6 +7,8 @@ come back as a 4xx naming the problem, and the server must keep answering correc
 import pytest
 from pydoc_data.topics import topics
 
+from conftest import GC_LLM_TEMPLATES
+from graphchunk.buckets import load_grid
 from graphchunk.layout import Layout
 from graphchunk.segments import SeparatorSplitter
 from graphchunk.serve_demo import SERVER_FLAGS, VllmServer
@@ -14,7 +16,8 @@ from graphchunk.serve_demo import SERVER_FLAGS, VllmServer
 pytestmark = pytest.mark.slow
 
 MAX_MODEL_LEN = 2048
-GC = {"pool_tokens": 8192, "max_chunks": 8, "max_chunk_len": 512}
+GC = {"pool_tokens": 8192, "max_chunks": 8, "max_chunk_len": 512, "templates": str(GC_LLM_TEMPLATES)}
+"""With the test session's graph templates: the server captures them at start-up and replays them."""
 MAX_TOKENS = 16
 STARTUP_TIMEOUT_S = 900  # ~40-80 s alone; much more when other engines share the 2 cores
 
@@ -106,6 +109,9 @@ def test_separators_in_text_match_oracle_and_reuse_hits(server, oracle, splitter
     assert after_reorder["graphchunk_hits_total"] - after_repeat["graphchunk_hits_total"] == len(DOCS)
     assert after_reorder["graphchunk_misses_total"] == after_repeat["graphchunk_misses_total"]
     assert after_reorder["graphchunk_tokens_reused_total"] > after_repeat["graphchunk_tokens_reused_total"]
+    # Its question step fits a bucket of the grid and replayed a template captured at start-up.
+    assert after_reorder["graphchunk_graph_captures_total"] == len(load_grid(GC["templates"]).buckets)
+    assert after_reorder["graphchunk_graph_replays_total"] > after_repeat["graphchunk_graph_replays_total"]
 
 
 def test_token_ids_with_explicit_boundaries_match_oracle(server, oracle, tokenizer):
