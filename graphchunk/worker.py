@@ -60,7 +60,8 @@ def check_config(vllm_config, config: GraphChunkConfig) -> None:
 RUNNER_BACKENDS = ("eager", "compile")
 """Backends whose templates the runner can capture without attention metadata: torch.compile keeps
 vLLM's attention an opaque op that reads each step's metadata. Device graphs (cuda_graph,
-npu_graph, torchair) would bake the capture-time metadata in; they run in perf/bench_templates.py."""
+npu_graph, torchair) would bake the capture-time metadata in: capturing them inside vLLM needs
+the attention metadata in static buffers per bucket, which is not built yet."""
 
 
 def check_grid(vllm_config, grid: BucketGrid) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import time
@@ -89,6 +90,7 @@ def main(argv=None) -> int:
     questions = windows(source, rng, args.rounds + 1, args.question_tokens)
     context = args.sys_tokens + args.chunks * args.chunk_tokens
     max_model_len = -(-(context + args.question_tokens + 256) // 1024) * 1024
+    load = {"start": os.getloadavg()}
     started = time.perf_counter()
     llm = GraphChunkLLM(model, dtype=args.dtype, enforce_eager=True, enable_prefix_caching=False,
                         max_model_len=max_model_len, max_num_batched_tokens=max_model_len,
@@ -98,7 +100,6 @@ def main(argv=None) -> int:
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     failures, runs = [], {"eager": [], "replay": []}
     try:
-        manifest = llm.templates_manifest()
         warm = timed(llm, *prompt(sys_ids, docs, range(args.chunks), questions[0]))
         log(f"engine up in {startup:.1f} s; warm-up (all miss) {warm[0]:.2f} s")
         for r in range(1, args.rounds + 1):
@@ -117,7 +118,9 @@ def main(argv=None) -> int:
                 log(f"round {r:2d} {mode:>6} {1e3 * ttft:8.1f} ms  {delta}")
             if first_tokens["eager"] != first_tokens["replay"]:
                 failures.append(f"round {r}: first token {first_tokens}")
+        manifest = llm.templates_manifest()  # capture time and memory, and replays, per bucket
     finally:
+        load["end"] = os.getloadavg()
         llm.shutdown()
 
     stats = {mode: {"p50_s": float(np.percentile(t, 50)), "p90_s": float(np.percentile(t, 90)), "runs_s": t}
@@ -132,7 +135,7 @@ def main(argv=None) -> int:
                    "model": model, "context_tokens": context, "max_model_len": max_model_len,
                    "enable_prefix_caching": False},
         "templates": manifest, "engine_startup_s": startup, "warmup_all_miss_s": warm[0],
-        "checks_passed": not failures, "failures": failures, "environment": versions(),
+        "checks_passed": not failures, "failures": failures, "environment": {**versions(), "load_average": load},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
