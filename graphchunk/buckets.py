@@ -60,13 +60,13 @@ class RequestShape:
 class BucketGrid:
     backend: str
     buckets: tuple[Bucket, ...]
+    """Smallest first: fewest padded tokens, then least context."""
     source: str
 
     def bucket_for(self, requests: list[RequestShape]) -> Bucket | None:
         """The smallest bucket holding every request, or None (the step runs eager)."""
-        fitting = [b for b in self.buckets
-                   if len(requests) <= b.batch and all(b.holds(r) for r in requests)]
-        return min(fitting, key=lambda b: (b.num_tokens, b.max_context_len, b), default=None)
+        return next((b for b in self.buckets if len(requests) <= b.batch and all(b.holds(r) for r in requests)),
+                    None)
 
 
 def load_grid(name_or_path: str) -> BucketGrid:
@@ -103,4 +103,6 @@ def parse_grid(raw: dict, source: str) -> BucketGrid:
                        for v in values)):
             raise ConfigError(f"{source}: grid.{axis} must be a non-empty list of positive integers, got {values!r}")
         axes.append(sorted(set(values)))
-    return BucketGrid(backend, tuple(Bucket(*shape) for shape in itertools.product(*axes)), source)
+    buckets = sorted((Bucket(*shape) for shape in itertools.product(*axes)),
+                     key=lambda b: (b.num_tokens, b.max_context_len, b))
+    return BucketGrid(backend, tuple(buckets), source)

@@ -53,8 +53,7 @@ class GraphTemplates:
         """Captures every bucket (smallest first) with a progress bar; raises TemplateCaptureError."""
         from tqdm import tqdm
 
-        buckets = sorted(self.grid.buckets, key=lambda b: (b.num_tokens, b.max_context_len, b))
-        bar = tqdm(buckets, desc=f"graphchunk: capturing {self.grid.backend} templates", unit="bucket",
+        bar = tqdm(self.grid.buckets, desc=f"graphchunk: capturing {self.grid.backend} templates", unit="bucket",
                    disable=not progress)
         for bucket in bar:
             bar.set_postfix_str(bucket.name)
