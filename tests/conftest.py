@@ -33,6 +33,20 @@ def oracle(smollm2_path):
     return Oracle(smollm2_path, dtype=torch.float32)
 
 
+@pytest.fixture(scope="module")
+def one_oracle_thread():
+    """For modules running the oracle in this process next to the engine's worker (one thread,
+    pinned by vLLM) on a 2-core machine others share: two OpenMP threads spin-wait on a busy core
+    and made the oracle ~5x slower than one. Drops the module's oracle references afterwards."""
+    from exactness import clear_references
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+    clear_references()
+
+
 # --- real text ----------------------------------------------------------------------------------
 
 @pytest.fixture(scope="session")

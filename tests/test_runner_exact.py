@@ -13,33 +13,20 @@ import random
 from dataclasses import dataclass
 
 import pytest
-import torch
 
 from conftest import GC_LLM_BLOCK_SIZE, GC_LLM_MAX_BATCHED_TOKENS
-from exactness import (FIRST_TOKEN_TOL, LIMITS, LOGPROB_TOL, MEASURED, assert_matches_oracle, clear_references,
+from exactness import (FIRST_TOKEN_TOL, LIMITS, LOGPROB_TOL, MEASURED, assert_matches_oracle,
                        make_splitter, run, sampling, sep_prompt, text_sources)
 from graphchunk.frontend import BOUNDARIES_ARG, layout_fingerprint
 from graphchunk.llm import RagPrompt
 from graphchunk.segments import SegmentedPrompt, split_at
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_oracle_thread")]
 
 
 @pytest.fixture(scope="module")
 def sources(paragraphs, tokenizer):
     return text_sources(paragraphs, tokenizer)  # this module reads sources 0-13
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_oracle_thread():
-    """The oracle runs in this process next to the engine's worker (one thread, pinned by vLLM)
-    on a 2-core machine others share: two OpenMP threads spin-wait on a busy core and made the
-    oracle ~5x slower than one."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-    clear_references()
 
 
 @pytest.fixture(scope="module")

@@ -15,30 +15,20 @@ import random
 from dataclasses import dataclass
 
 import pytest
-import torch
 
 from conftest import GC_LLM_TEMPLATES
 from exactness import (FIRST_TOKEN_TOL, LIMITS, LOGPROB_TOL, TOP_LOGPROBS, TextSource, assert_matches_oracle,
-                       clear_references, sampling)
+                       sampling)
 from graphchunk.buckets import Bucket, RequestShape, load_grid
 from graphchunk.frontend import BOUNDARIES_ARG
 from graphchunk.segments import split_at
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_oracle_thread")]
 
 GRID = load_grid(str(GC_LLM_TEMPLATES))
 MAX_TOKENS = 8
 SHORT = 6  # tokens of each chunk but the longest
 COUNTERS = ("graph_replays", "graph_fallbacks")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_oracle_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # see test_runner_exact.one_oracle_thread
-    yield
-    torch.set_num_threads(threads)
-    clear_references()
 
 
 class Tokens:
