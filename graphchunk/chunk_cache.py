@@ -12,6 +12,11 @@ For every segmented request whose scheduled range ``[start, end)`` overlaps its 
    when the step holds no question token (that token is recomputed with its KV write skipped,
    because a scheduled request must keep at least one token).
 
+Blend requests (``ScheduledPrompt.policy`` set, DESIGN.md §2) differ in step 1 and 2 only: a
+chunk's entry is computed alone at positions [0, L), keyed without sys, and copied with its keys
+rotated to the chunk's offset; afterwards ``blend.recompute`` gives the tokens the request's policy
+picks fresh KV over the request's own slots.
+
 Entries are held only within the step (released once copied), so preemption, aborts and chunked
 prefill need no bookkeeping; identical chunks met in one step are computed once, and an entry is
 ready for the very next request that looks it up (no asynchronous store).
@@ -19,38 +24,16 @@ ready for the very next request that looks it up (no asynchronous store).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Sequence
 
 import numpy as np
 
+from graphchunk import blend
+from graphchunk.blend import RecomputePolicy
+from graphchunk.device import KVDevice, PseudoSeq, slots_of, split_forward_batches  # noqa: F401 (re-exported)
 from graphchunk.keys import KeySpace, chunk_key, sys_key
 from graphchunk.pool import ChunkPool, PoolEntry, PoolExhausted
 from graphchunk.segments import SegmentedPrompt
-
-
-@dataclass(frozen=True)
-class PseudoSeq:
-    """An extra forward: computes ``token_ids[num_cached:]`` at ``positions[num_cached:]``,
-    attending causally to everything before, KV at logical index i in ``block_ids``' slot i."""
-
-    token_ids: Sequence[int]
-    positions: np.ndarray
-    block_ids: Sequence[int]
-    num_cached: int = 0
-
-    @property
-    def num_new(self) -> int:
-        return len(self.token_ids) - self.num_cached
-
-
-class KVDevice(Protocol):
-    """What the plan needs from the device (implemented by the model runner)."""
-
-    def forward(self, seqs: list[PseudoSeq]) -> None: ...
-
-    def copy_blocks(self, src_blocks: list[int], dst_blocks: list[int]) -> None: ...
-
-    def copy_slots(self, src_slots: np.ndarray, dst_slots: np.ndarray) -> None: ...
 
 
 @dataclass
@@ -62,6 +45,12 @@ class ScheduledPrompt:
     start: int
     end: int
     block_ids: Sequence[int]
+    policy: RecomputePolicy | None = None
+    """Blend mode's recompute policy; None for isolated mode."""
+
+    @property
+    def mode(self) -> str:
+        return "isolated" if self.policy is None else "blend"
 
     @property
     def context_end(self) -> int:
@@ -81,16 +70,28 @@ class _Group:
 
     held: list[PoolEntry] = field(default_factory=list)
     sys_misses: list[PoolEntry] = field(default_factory=list)
-    chunk_misses: list[tuple[PoolEntry, PoolEntry | None, SegmentedPrompt, int]] = field(default_factory=list)
+    chunk_misses: list[tuple[PoolEntry, PseudoSeq]] = field(default_factory=list)
+    partial_copies: list[tuple[int, int]] = field(default_factory=list)
+    """(sys entry's partial last block, isolated chunk miss's first block)."""
     copies: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
+    rotated: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=list)
+    """Blend copies: (pool slots, request slots, positions each key moves)."""
+
+    def undo_to(self, marks: tuple[int, int, int]) -> None:
+        del self.sys_misses[marks[0]:], self.chunk_misses[marks[1]:], self.partial_copies[marks[2]:]
+
+    @property
+    def marks(self) -> tuple[int, int, int]:
+        return len(self.sys_misses), len(self.chunk_misses), len(self.partial_copies)
 
 
 class ChunkCache:
-    def __init__(self, pool: ChunkPool, space: KeySpace, max_forward_tokens: int):
+    def __init__(self, pool: ChunkPool, space: KeySpace, max_forward_tokens: int, check_layer: int = 1):
         self.pool = pool
         self.space = space
         self.block_size = pool.block_size
         self.max_forward_tokens = max_forward_tokens
+        self.check_layer = check_layer
         self.metrics = pool.metrics
 
     def materialize(self, prompts: list[ScheduledPrompt], device: KVDevice) -> None:
@@ -110,35 +111,44 @@ class ChunkCache:
                     group = _Group()
                     self._plan_unit(prompt, *unit, group)
         self._run(group, device)
+        blended = [p for p in prompts if p.policy is not None]
+        if blended:
+            blend.recompute(blended, device, check_layer=self.check_layer, budget=self.max_forward_tokens,
+                            block_size=self.block_size, metrics=self.metrics)
 
     # --- plan ---------------------------------------------------------------------------------
 
     def _plan_unit(self, prompt: ScheduledPrompt, chunk: int | None, lo: int, hi: int, group: _Group) -> None:
         """Acquires what logical tokens [lo, hi) of segment ``chunk`` (None: sys) need."""
-        seg, sys_len = prompt.seg, prompt.seg.layout.sys_len
+        seg, sys_len, mode = prompt.seg, prompt.seg.layout.sys_len, prompt.mode
         acquired: list[PoolEntry] = []
-        num_misses = len(group.sys_misses), len(group.chunk_misses)
+        marks = group.marks
         try:
-            sys_entry = self._acquire_sys(seg, prompt.salt, group, acquired) if sys_len else None
+            sys_entry = None
+            if sys_len and (chunk is None or mode == "isolated"):
+                sys_entry = self._acquire_sys(seg, prompt.salt, mode, group, acquired)
             if chunk is None:
-                entry, src = sys_entry, _slots(sys_entry.block_ids, np.arange(lo, hi), self.block_size)
+                entry, offset = sys_entry, 0
             else:
-                entry = self._acquire_chunk(seg, chunk, sys_entry, prompt.salt, group, acquired)
-                begin = seg.bounds[1 + chunk][0]
-                src = _slots(entry.block_ids, sys_len % self.block_size + np.arange(lo - begin, hi - begin),
-                             self.block_size)
+                entry, offset = self._acquire_chunk(seg, chunk, sys_entry, prompt.salt, mode, group, acquired)
         except PoolExhausted:  # undo this unit; its own misses are dropped by their last release
-            del group.sys_misses[num_misses[0]:], group.chunk_misses[num_misses[1]:]
-            for entry in acquired:
-                self.pool.release(entry)
+            group.undo_to(marks)
+            for held in acquired:
+                self.pool.release(held)
             raise
         if entry.ready:
-            self.metrics.tokens_reused += hi - lo
+            self.metrics.count("tokens_reused", hi - lo, mode)
         group.held.extend(acquired)
-        group.copies.append((src, _slots(prompt.block_ids, np.arange(lo, hi), self.block_size)))
+        begin = seg.bounds[0 if chunk is None else 1 + chunk][0]
+        src = slots_of(entry.block_ids, offset + np.arange(lo - begin, hi - begin), self.block_size)
+        dst = slots_of(prompt.block_ids, np.arange(lo, hi), self.block_size)
+        if mode == "blend" and chunk is not None:  # computed at [0, L), lands at [begin, begin + L)
+            group.rotated.append((src, dst, np.full(hi - lo, begin, np.int64)))
+        else:
+            group.copies.append((src, dst))
 
-    def _acquire_sys(self, seg, salt, group, acquired) -> PoolEntry:
-        key = sys_key(self.space, seg.sys_tokens, salt)
+    def _acquire_sys(self, seg, salt, mode, group, acquired) -> PoolEntry:
+        key = sys_key(self.space, seg.sys_tokens, salt, mode)
         entry = self.pool.lookup(key, seg.sys_tokens)
         if entry is None:
             entry = self.pool.insert(key, seg.sys_tokens, seg.layout.sys_len)
@@ -146,23 +156,38 @@ class ChunkCache:
         acquired.append(entry)
         return entry
 
-    def _acquire_chunk(self, seg, i, sys_entry, salt, group, acquired) -> PoolEntry:
-        """The chunk's entry; the metrics count chunk lookups only (a sys prompt is looked up
-        once per chunk it precedes, which would inflate them)."""
+    def _acquire_chunk(self, seg, i, sys_entry, salt, mode, group, acquired) -> tuple[PoolEntry, int]:
+        """The chunk's entry and the slot offset of its first token in the entry's blocks. The
+        metrics count chunk lookups only (a sys prompt is looked up once per chunk it precedes,
+        which would inflate them).
+
+        Isolated: the entry holds ``sys ‖ chunk``'s KV from the sys prompt's partial last block on.
+        Blend: the chunk alone, at positions [0, L), from the first slot."""
         chunk = seg.chunk_tokens(i)
-        tokens = seg.sys_tokens + chunk
+        sys_tokens = seg.sys_tokens if mode == "isolated" else ()
+        offset = len(sys_tokens) % self.block_size
+        tokens = sys_tokens + chunk
         with self.metrics.timed_lookup():
-            key = chunk_key(self.space, seg.sys_tokens, chunk, salt)
+            key = chunk_key(self.space, sys_tokens, chunk, salt, mode)
             entry = self.pool.lookup(key, tokens)
-        if entry is None:
-            entry = self.pool.insert(key, tokens, seg.layout.sys_len % self.block_size + len(chunk))
-            group.chunk_misses.append((entry, sys_entry, seg, i))
-            self.metrics.misses += 1
-        else:
-            self.metrics.hits += 1
-        self.metrics.lookups += 1
+        if entry is not None:
+            acquired.append(entry)
+            self.metrics.count("lookups", 1, mode)
+            self.metrics.count("hits", 1, mode)
+            return entry, offset
+        entry = self.pool.insert(key, tokens, offset + len(chunk))
         acquired.append(entry)
-        return entry
+        self.metrics.count("lookups", 1, mode)
+        self.metrics.count("misses", 1, mode)
+        if mode == "blend":
+            seq = PseudoSeq(chunk, np.arange(len(chunk)), entry.block_ids)
+        else:
+            sys_blocks = sys_entry.block_ids[: len(sys_tokens) // self.block_size] if sys_entry else []
+            seq = PseudoSeq(tokens, np.arange(len(tokens)), [*sys_blocks, *entry.block_ids], len(sys_tokens))
+            if offset:
+                group.partial_copies.append((sys_entry.block_ids[-1], entry.block_ids[0]))
+        group.chunk_misses.append((entry, seq))
+        return entry, offset
 
     # --- run ----------------------------------------------------------------------------------
 
@@ -171,16 +196,15 @@ class ChunkCache:
             self._forward(device, [self._sys_seq(e) for e in group.sys_misses])
             for entry in group.sys_misses:
                 self.pool.mark_ready(entry)
-            partial = [(sys_e.block_ids[-1], e.block_ids[0]) for e, sys_e, seg, _ in group.chunk_misses
-                       if seg.layout.sys_len % self.block_size]
-            if partial:
-                device.copy_blocks([s for s, _ in partial], [d for _, d in partial])
-            self._forward(device, [self._chunk_seq(*miss) for miss in group.chunk_misses])
-            for entry, *_ in group.chunk_misses:
+            if group.partial_copies:
+                device.copy_blocks([s for s, _ in group.partial_copies], [d for _, d in group.partial_copies])
+            self._forward(device, [seq for _, seq in group.chunk_misses])
+            for entry, _ in group.chunk_misses:
                 self.pool.mark_ready(entry)
             if group.copies:
-                device.copy_slots(np.concatenate([s for s, _ in group.copies]),
-                                  np.concatenate([d for _, d in group.copies]))
+                device.copy_slots(*(np.concatenate(part) for part in zip(*group.copies)))
+            if group.rotated:
+                device.copy_slots_rotated(*(np.concatenate(part) for part in zip(*group.rotated)))
         finally:
             for entry in group.held:
                 self.pool.release(entry)
@@ -188,35 +212,10 @@ class ChunkCache:
     def _sys_seq(self, entry: PoolEntry) -> PseudoSeq:
         return PseudoSeq(entry.tokens, np.arange(len(entry.tokens)), entry.block_ids)
 
-    def _chunk_seq(self, entry: PoolEntry, sys_entry: PoolEntry | None, seg: SegmentedPrompt, i: int) -> PseudoSeq:
-        sys_len = seg.layout.sys_len
-        sys_blocks = sys_entry.block_ids[: sys_len // self.block_size] if sys_entry else []
-        return PseudoSeq(entry.tokens, np.arange(len(entry.tokens)), [*sys_blocks, *entry.block_ids], sys_len)
-
     def _forward(self, device: KVDevice, seqs: list[PseudoSeq]) -> None:
         for batch in split_forward_batches(seqs, self.max_forward_tokens):
             device.forward(batch)
             self.metrics.tokens_computed += sum(s.num_new for s in batch)
-
-
-def split_forward_batches(seqs: list[PseudoSeq], budget: int) -> list[list[PseudoSeq]]:
-    """Batches of at most ``budget`` new tokens; a longer sequence is cut into consecutive
-    pieces, each a batch's last member so the next piece sees its KV."""
-    batches, batch, used = [], [], 0
-    for seq in seqs:
-        cached = seq.num_cached
-        while cached < len(seq.token_ids):
-            take = min(len(seq.token_ids) - cached, budget - used)
-            end = cached + take
-            batch.append(PseudoSeq(seq.token_ids[:end], seq.positions[:end], seq.block_ids, cached))
-            used += take
-            cached = end
-            if used == budget:
-                batches.append(batch)
-                batch, used = [], 0
-    if batch:
-        batches.append(batch)
-    return batches
 
 
 def _units(prompt: ScheduledPrompt):
@@ -225,8 +224,3 @@ def _units(prompt: ScheduledPrompt):
         lo, hi = max(begin, prompt.start), min(end, prompt.context_end)
         if lo < hi:
             yield (None if i == 0 else i - 1), lo, hi
-
-
-def _slots(block_ids: Sequence[int], logical: np.ndarray, block_size: int) -> np.ndarray:
-    blocks = np.asarray(block_ids, np.int64)
-    return blocks[logical // block_size] * block_size + logical % block_size

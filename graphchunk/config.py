@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from graphchunk.blend import RecomputePolicy
+
 MODES = ("isolated", "blend")
 
 
@@ -26,7 +28,17 @@ class GraphChunkConfig:
     pool_tokens: int = 65536
     """Chunk-pool budget in tokens of KV (rounded up to whole blocks)."""
     mode: str = "isolated"
-    """'isolated' (exact, DESIGN.md §2) or 'blend' (approximate reuse)."""
+    """Default mode of segmented requests: 'isolated' (exact, DESIGN.md §2) or 'blend' (approximate
+    reuse behind any sys prompt at any offset); a request may override it (``graphchunk_mode``)."""
+    recompute: str = "cacheblend"
+    """Blend mode's default recompute policy: 'none', 'cacheblend' or 'legolink' (``blend.py``)."""
+    recompute_ratio: float = 0.15
+    """cacheblend: share of chunk tokens recomputed through every layer, in [0, 1]."""
+    recompute_tokens: int = 4
+    """legolink: tokens recomputed at the start of every chunk."""
+    check_layer: int = 1
+    """cacheblend: layers [0, check_layer] are recomputed for every chunk token, and K at this layer
+    ranks the tokens."""
     templates: str = ""
     """Graph-template grid captured at start-up: a name in graph_templates/ ('cpu') or a .toml path;
     '' runs every step eager."""
@@ -35,12 +47,26 @@ class GraphChunkConfig:
         for name, kind in _TYPES.items():
             value = getattr(self, name)
             if not isinstance(value, kind) or isinstance(value, bool):
-                raise ConfigError(f"graphchunk.{name} must be {kind.__name__}, got {value!r}")
+                what = "a number" if isinstance(kind, tuple) else kind.__name__
+                raise ConfigError(f"graphchunk.{name} must be {what}, got {value!r}")
+        if isinstance(self.recompute_ratio, int) and not isinstance(self.recompute_ratio, bool):
+            object.__setattr__(self, "recompute_ratio", float(self.recompute_ratio))
         for name in ("max_chunks", "max_chunk_len", "pool_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"graphchunk.{name} must be >= 1, got {getattr(self, name)}")
         if self.mode not in MODES:
             raise ConfigError(f"graphchunk.mode must be one of {MODES}, got {self.mode!r}")
+        if self.check_layer < 0:
+            raise ConfigError(f"graphchunk.check_layer must be >= 0, got {self.check_layer}")
+        try:
+            self.policy
+        except ValueError as exc:
+            raise ConfigError(f"graphchunk.recompute*: {exc}") from None
+
+    @property
+    def policy(self) -> RecomputePolicy:
+        """The deployment's default recompute policy of blend requests."""
+        return RecomputePolicy(self.recompute, self.recompute_ratio, self.recompute_tokens)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None) -> "GraphChunkConfig":
@@ -60,4 +86,6 @@ class GraphChunkConfig:
         return cls.from_dict(section)
 
 
-_TYPES = {"separator": str, "max_chunks": int, "max_chunk_len": int, "pool_tokens": int, "mode": str, "templates": str}
+_TYPES = {"separator": str, "max_chunks": int, "max_chunk_len": int, "pool_tokens": int, "mode": str,
+          "templates": str, "recompute": str, "recompute_ratio": (int, float), "recompute_tokens": int,
+          "check_layer": int}

@@ -5,12 +5,22 @@ Segmentation happens here, once per request, so that bad input becomes a 400 (or
 indices travel to the worker in ``SamplingParams.extra_args``, and the request's ``cache_salt``
 gains a fingerprint of its layout: vLLM's prefix cache then never hands a segmented request KV
 computed under other segment roles, nor hands its KV to an ordinary request (DESIGN.md §3).
+
+The mode (``isolated`` or ``blend``, DESIGN.md §2) and blend's recompute policy are chosen per
+request through extra_args (OpenAI: ``vllm_xargs``), defaulting to the deployment's settings.
+They are validated here for every request, and a segmented request carries the *resolved*
+values to the worker (``MODE_ARG`` always; for blend also ``RECOMPUTE_ARG``, ``RATIO_ARG``,
+``TOKENS_ARG``); an ordinary request loses them (it runs as vanilla vLLM).
 """
 from __future__ import annotations
 
+import json
+
+import numpy as np
 import xxhash
 
-from graphchunk.config import GraphChunkConfig
+from graphchunk.blend import POLICIES, RecomputePolicy
+from graphchunk.config import MODES, GraphChunkConfig
 from graphchunk.segments import SegmentationError, SegmentedPrompt, SeparatorSplitter, split_at
 
 BOUNDARIES_ARG = "graphchunk_boundaries"
@@ -18,6 +28,18 @@ BOUNDARIES_ARG = "graphchunk_boundaries"
 SALT_ARG = "graphchunk_salt"
 """extra_args key set here: what besides tokens and model sets a chunk's KV (the request's own
 cache_salt, for tenant isolation, and its LoRA adapter); part of every chunk key."""
+MODE_ARG = "graphchunk_mode"
+"""extra_args / vllm_xargs key: 'isolated' or 'blend' (default: ``graphchunk.mode``)."""
+RECOMPUTE_ARG = "graphchunk_recompute"
+"""blend: recompute policy, 'none', 'cacheblend' or 'legolink' (default: ``graphchunk.recompute``)."""
+RATIO_ARG = "graphchunk_recompute_ratio"
+"""blend, cacheblend: share of chunk tokens recomputed, in [0, 1] (default: ``graphchunk.recompute_ratio``)."""
+TOKENS_ARG = "graphchunk_recompute_tokens"
+"""blend, legolink: tokens recomputed at each chunk's start (default: ``graphchunk.recompute_tokens``)."""
+POLICY_ARGS = (RECOMPUTE_ARG, RATIO_ARG, TOKENS_ARG)
+MODE_ARGS = (MODE_ARG, *POLICY_ARGS)
+GRAPHCHUNK_ARGS = (BOUNDARIES_ARG, *MODE_ARGS)
+"""The keys a client may send."""
 
 
 def is_graphchunk_worker(worker_cls) -> bool:
@@ -26,8 +48,10 @@ def is_graphchunk_worker(worker_cls) -> bool:
 
 
 class RequestAnnotator:
-    def __init__(self, config: GraphChunkConfig, tokenizer):
+    def __init__(self, config: GraphChunkConfig, tokenizer, blend_refusal: str | None = None):
+        """``blend_refusal``: why this model cannot serve blend requests (``rope.hf_rope_refusal``)."""
         self.config = config
+        self.blend_refusal = blend_refusal
         self.splitter = SeparatorSplitter(tokenizer, config.separator, max_chunks=config.max_chunks,
                                           max_chunk_len=config.max_chunk_len) if config.separator else None
 
@@ -41,6 +65,42 @@ class RequestAnnotator:
                             max_chunk_len=self.config.max_chunk_len)
         return self.splitter.split(token_ids) if self.splitter else None
 
+    def resolve_mode(self, extra_args: dict) -> tuple[str, RecomputePolicy | None]:
+        """The request's mode and (blend) recompute policy, from its extra_args and the
+        deployment's defaults. Raises SegmentationError naming the argument on bad input."""
+        if MODE_ARG in extra_args:
+            mode = extra_args[MODE_ARG]
+            if not isinstance(mode, str) or mode not in MODES:
+                raise SegmentationError(f"{MODE_ARG} must be one of {MODES}, got {mode!r}")
+        else:
+            mode = self.config.mode
+        given = [key for key in POLICY_ARGS if key in extra_args]
+        if mode != "blend":
+            if given:
+                why = (f"{MODE_ARG} is {mode!r}" if MODE_ARG in extra_args
+                       else f"the deployment's default mode (graphchunk.mode) is {mode!r}")
+                raise SegmentationError(f"{', '.join(given)} only apply to blend mode, but {why}; "
+                                        f"send {MODE_ARG}: 'blend' with them")
+            return mode, None
+        if self.blend_refusal:
+            raise SegmentationError(f"blend mode is not available for this model: {self.blend_refusal}; "
+                                    f"send {MODE_ARG}: 'isolated'")
+        cfg = self.config
+        name = extra_args.get(RECOMPUTE_ARG, cfg.recompute)
+        ratio = extra_args.get(RATIO_ARG, cfg.recompute_ratio)
+        tokens = extra_args.get(TOKENS_ARG, cfg.recompute_tokens)
+        # One argument at a time, so that the error names the one that is wrong.
+        for key, alone in ((RECOMPUTE_ARG, {"name": name}), (RATIO_ARG, {"ratio": ratio}),
+                           (TOKENS_ARG, {"tokens": tokens})):
+            if key in extra_args:
+                try:
+                    RecomputePolicy(**alone)
+                except ValueError as exc:
+                    _, must, rest = str(exc).partition(" must ")
+                    raise SegmentationError(f"{key} must {rest}" if must else f"{key}: {exc}") from None
+        # ratio as a float: 1 and 1.0 are one policy (one describe(), one cache_salt).
+        return mode, RecomputePolicy(name, float(ratio), tokens)
+
     def annotate(self, request) -> None:
         """Adds the segmentation to an EngineCoreRequest (in place), or leaves it ordinary."""
         params = request.sampling_params
@@ -48,9 +108,11 @@ class RequestAnnotator:
             return
         args = dict(params.extra_args or {})
         args.pop(SALT_ARG, None)
+        mode, policy = self.resolve_mode(args)
         seg = self.segment(request.prompt_token_ids, args)
         if seg is None or seg.layout.num_chunks == 0:
-            args.pop(BOUNDARIES_ARG, None)  # no chunks: exactly an ordinary causal prompt
+            for key in (BOUNDARIES_ARG, *MODE_ARGS):  # no chunks: exactly an ordinary causal prompt
+                args.pop(key, None)
             params.extra_args = args or None
             return
         if params.prompt_logprobs is not None:
@@ -59,8 +121,16 @@ class RequestAnnotator:
             raise SegmentationError("segmented prompts cannot carry multimodal inputs")
         args[BOUNDARIES_ARG] = [b for b, _ in seg.bounds[1:]]
         args[SALT_ARG] = kv_salt(request)
+        for key in POLICY_ARGS:
+            args.pop(key, None)
+        args[MODE_ARG] = mode
+        if policy is None:
+            fingerprint = layout_fingerprint(seg)
+        else:
+            args.update({RECOMPUTE_ARG: policy.name, RATIO_ARG: float(policy.ratio), TOKENS_ARG: int(policy.tokens)})
+            fingerprint = blend_fingerprint(seg, policy)
         params.extra_args = args
-        request.cache_salt = f"{request.cache_salt or ''}|graphchunk:{layout_fingerprint(seg)}"
+        request.cache_salt = f"{request.cache_salt or ''}|graphchunk:{fingerprint}"
 
 
 def kv_salt(request) -> str | None:
@@ -71,5 +141,58 @@ def kv_salt(request) -> str | None:
 
 
 def layout_fingerprint(seg: SegmentedPrompt) -> str:
+    """Isolated mode: a segment's KV depends on its own tokens and the tokens before it in the
+    sys-then-own-chunk order, and on the roles of the segments (the layout). vLLM's prefix cache
+    hashes every block together with all tokens before it, so adding the layout suffices."""
     lay = seg.layout
     return xxhash.xxh3_64_hexdigest(repr((lay.sys_len, lay.chunk_lens, lay.question_len)).encode())
+
+
+def blend_fingerprint(seg: SegmentedPrompt, policy: RecomputePolicy) -> str:
+    """Blend mode: never equal to an isolated fingerprint (its own prefix, another length).
+
+    A blend request's context KV is not a function of the tokens up to a block, which is all
+    vLLM's prefix-cache key covers (a block's hash chains the tokens before it and the salt):
+    CacheBlend recomputes the top ``ratio`` share of the chunk tokens a step fills, ranked
+    together, so whether a token of block b got fresh or reused KV depends on the deviations of
+    chunk tokens *after* b. Two requests that agree up to b but differ later would get different
+    KV for b. So the salt carries the policy (``describe()``: the policy and its parameter),
+    the context layout (the segment roles), and a hash of *all* context tokens: vLLM's prefix
+    cache then shares blend KV only between requests with identical context, layout and policy
+    (and request salt). The question is left out (its length too): its tokens are ordinary
+    causal tokens after the whole context, and a new question over the same documents should
+    still find the whole context in vLLM's prefix cache. ``none`` and ``legolink`` do not look
+    ahead, but keying them the same way keeps the rule simple and costs them nothing in the
+    common case (identical documents)."""
+    lay = seg.layout
+    digest = xxhash.xxh3_128()
+    digest.update(repr(("blend", policy.describe(), lay.sys_len, lay.chunk_lens)).encode())
+    digest.update(np.asarray(seg.token_ids[: lay.context_len], dtype=np.int64).tobytes())
+    return f"blend:{policy.describe()}:{digest.hexdigest()}"
+
+
+_EXPECTED = {
+    BOUNDARIES_ARG: "a list of integer token indices",
+    MODE_ARG: f"one of {MODES}",
+    RECOMPUTE_ARG: f"one of {POLICIES}",
+    RATIO_ARG: "a number in [0, 1]",
+    TOKENS_ARG: "an integer >= 0",
+}
+
+
+def json_boolean_problem(body) -> str | None:
+    """The error for a JSON true/false among a request body's graphchunk ``vllm_xargs``, or None.
+
+    vLLM's OpenAI protocol types ``vllm_xargs`` as ``dict[str, str | int | float | list[...]]``
+    and pydantic's lax union turns true/false into 1/0, so after validation
+    ``"graphchunk_boundaries": [true, 5]`` is indistinguishable from [1, 5] (and
+    ``"graphchunk_recompute_ratio": true`` from 1). The plugin checks the raw JSON with this."""
+    xargs = body.get("vllm_xargs") if isinstance(body, dict) else None
+    if not isinstance(xargs, dict):
+        return None
+    for key in GRAPHCHUNK_ARGS:
+        value = xargs.get(key)
+        items = value if isinstance(value, list) else [value]
+        if any(isinstance(item, bool) for item in items):
+            return f"{key} must be {_EXPECTED[key]}, got {json.dumps(value)}: JSON booleans are not accepted"
+    return None

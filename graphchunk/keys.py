@@ -2,7 +2,8 @@
 
 In isolated mode every layer after the first mixes ``sys`` into a chunk, so a chunk's KV is a
 function of (model, dtype, parallel layout, sys tokens, chunk tokens), and ``cache_salt`` keeps
-tenants apart. The key is a 128-bit xxhash of all of them; a hit is still verified against the
+tenants apart. A blend chunk is computed alone, so its key has no sys tokens; the mode is part of
+every key, so isolated and blend entries never satisfy each other's lookups. The key is a 128-bit xxhash of all of them; a hit is still verified against the
 stored tokens, since a hash makes collisions unlikely, not impossible.
 """
 from __future__ import annotations
@@ -34,18 +35,19 @@ def _tokens_bytes(tokens: Sequence[int]) -> bytes:
 
 
 def chunk_key(space: KeySpace, sys_tokens: Sequence[int], chunk_tokens: Sequence[int],
-              cache_salt: str | None = None) -> bytes:
-    """16-byte key of a chunk's KV computed after ``sys_tokens``."""
+              cache_salt: str | None = None, mode: str = "isolated") -> bytes:
+    """16-byte key of a chunk's KV computed after ``sys_tokens`` (blend: alone, ``sys_tokens`` empty)."""
     h = xxhash.xxh3_128(space.header(cache_salt))
-    h.update(b"chunk")
+    h.update(mode.encode() + b"\x1fchunk")
     h.update(_tokens_bytes(sys_tokens))
     h.update(_tokens_bytes(chunk_tokens))
     return h.digest()
 
 
-def sys_key(space: KeySpace, sys_tokens: Sequence[int], cache_salt: str | None = None) -> bytes:
+def sys_key(space: KeySpace, sys_tokens: Sequence[int], cache_salt: str | None = None,
+            mode: str = "isolated") -> bytes:
     """16-byte key of a sys prompt's KV (ordinary causal attention from position 0)."""
     h = xxhash.xxh3_128(space.header(cache_salt))
-    h.update(b"sys")
+    h.update(mode.encode() + b"\x1fsys")
     h.update(_tokens_bytes(sys_tokens))
     return h.digest()

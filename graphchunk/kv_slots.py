@@ -5,7 +5,9 @@ graphchunk never assumes a layout: it writes probe values through the backend's 
 into a two-block scratch cache and reads back where each (slot offset, K/V, head, dim) landed.
 When, as for every backend seen so far, each of K and V is an affine (strided) map of
 (block, offset, head, dim), copies run as strided slice copies over all layers at once, one per
-run of slots that are consecutive on both sides; otherwise as flat element gathers.
+run of slots that are consecutive on both sides; otherwise as flat element gathers. Blend mode's
+copies move keys to another position (``copy_slots_rotated``): K is gathered for all layers and
+tokens at once, rotated (``rope.KeyRotation``) and scattered; V is copied as is.
 """
 from __future__ import annotations
 
@@ -54,6 +56,12 @@ class KVSlotMap:
         slots = torch.from_numpy(np.asarray(slots, np.int64))
         blocks, within = slots // self.block_size, slots % self.block_size
         return (self.coords.reshape(self.block_size, -1)[within] + blocks[:, None] * self.block_stride).flatten()
+
+    def key_offsets(self, slots: np.ndarray) -> torch.Tensor:
+        """Flat storage offsets [n, heads, head_size] of the keys of the given slots."""
+        slots = torch.from_numpy(np.asarray(slots, np.int64))
+        blocks, within = slots // self.block_size, slots % self.block_size
+        return self.coords[within, 0] + blocks[:, None, None] * self.block_stride
 
 
 def _affine_strides(coords: torch.Tensor) -> tuple[int, int, int, int] | None:
@@ -104,15 +112,52 @@ class KVCopier:
                 flat = _storage_view(cache)
                 flat[dst_off] = flat[src_off]
             return
+        self._copy_runs(src, dst, self.views)
+
+    def _copy_runs(self, src: np.ndarray, dst: np.ndarray, views: list[torch.Tensor]) -> None:
         bs = self.slot_map.block_size
         for s, d, n in _runs(np.asarray(src, np.int64), np.asarray(dst, np.int64), bs):
-            for view in self.views:
+            for view in views:
                 view[..., d // bs, d % bs:d % bs + n, :, :] = view[..., s // bs, s % bs:s % bs + n, :, :]
+
+    def copy_slots_rotated(self, src: np.ndarray, dst: np.ndarray, deltas: np.ndarray, rotation) -> None:
+        """Like ``copy_slots``, each key rotated by ``deltas`` positions (``rotation``: a
+        ``rope.KeyRotation``); one gather, rotation and scatter over all layers when they share a
+        storage at equal spacing."""
+        deltas = torch.from_numpy(np.asarray(deltas, np.int64))
+        if self.views is None:
+            src_off, dst_off = (self.slot_map.key_offsets(s).to(self.caches[0].device) for s in (src, dst))
+            v_src, v_dst = (self.slot_map.offsets(s).view(len(s), 2, -1)[:, 1].flatten().to(self.caches[0].device)
+                            for s in (src, dst))
+            for cache in self.caches:
+                flat = _storage_view(cache)
+                flat[dst_off] = rotation.rotate(flat[src_off], deltas)
+                flat[v_dst] = flat[v_src]
+            return
+        half = len(self.views) // 2
+        self._copy_runs(src, dst, self.views[half:])
+        sb, so, db, do = (torch.from_numpy(x) for x in (*_block_offset(src, self.slot_map.block_size),
+                                                          *_block_offset(dst, self.slot_map.block_size)))
+        for view in self.views[:half]:
+            view[..., db, do, :, :] = rotation.rotate(view[..., sb, so, :, :], deltas)
+
+    def read_keys(self, layer: int, slots: np.ndarray) -> torch.Tensor:
+        """K of ``slots`` at ``layer``: [n, heads, head_size] (a copy)."""
+        if self.views is None:
+            return _storage_view(self.caches[layer])[self.slot_map.key_offsets(slots).to(self.caches[0].device)]
+        blocks, offsets = (torch.from_numpy(x) for x in _block_offset(slots, self.slot_map.block_size))
+        keys = self.views[0][layer] if self.layer_stride is not None else self.views[layer]
+        return keys[blocks, offsets]
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         bs = self.slot_map.block_size
         slots = lambda blocks: (np.asarray(blocks, np.int64)[:, None] * bs + np.arange(bs)).flatten()  # noqa: E731
         self.copy_slots(slots(src), slots(dst))
+
+
+def _block_offset(slots: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    slots = np.asarray(slots, np.int64)
+    return slots // block_size, slots % block_size
 
 
 def _runs(src: np.ndarray, dst: np.ndarray, block_size: int):

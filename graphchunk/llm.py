@@ -19,7 +19,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np  # noqa: E402
 
 from graphchunk.config import GraphChunkConfig  # noqa: E402
-from graphchunk.frontend import BOUNDARIES_ARG  # noqa: E402
+from graphchunk.frontend import BOUNDARIES_ARG, MODE_ARG, RATIO_ARG, RECOMPUTE_ARG, TOKENS_ARG  # noqa: E402
 from graphchunk.metrics import new_metrics_file, read_published  # noqa: E402
 
 
@@ -34,6 +34,8 @@ class RagPrompt:
     """Wrap the segments in the model's chat template (system; documents + question as the
     user turn; one assistant turn follows)."""
     extra: dict[str, Any] = field(default_factory=dict)
+    """This prompt's ``SamplingParams.extra_args`` (e.g. ``{"graphchunk_mode": "blend"}``); they
+    override the same keys given to ``generate`` / ``chat`` or in the sampling params."""
 
 
 _MARK = "\x00graphchunk-{}\x00"
@@ -59,9 +61,19 @@ class GraphChunkLLM:
     # --- generation --------------------------------------------------------------------------
 
     def generate(self, prompts=None, sampling_params=None, *, sys: str | None = None,
-                 chunks: Sequence[str] | None = None, question: str | None = None, use_tqdm: bool = False):
+                 chunks: Sequence[str] | None = None, question: str | None = None, use_tqdm: bool = False,
+                 mode: str | None = None, recompute: str | None = None, recompute_ratio: float | None = None,
+                 recompute_tokens: int | None = None):
         """vLLM's RequestOutputs for ``prompts`` (strings, token prompts or ``RagPrompt``s), or for
-        the single structured prompt given by ``sys`` / ``chunks`` / ``question``."""
+        the single structured prompt given by ``sys`` / ``chunks`` / ``question``.
+
+        ``mode`` ('isolated' or 'blend') and blend's ``recompute`` policy ('none', 'cacheblend',
+        'legolink'), ``recompute_ratio`` (cacheblend) and ``recompute_tokens`` (legolink) apply to
+        every prompt of the call; None leaves the deployment's default (``graphchunk={...}``).
+        Precedence, lowest first: ``sampling_params.extra_args``, these keywords, a
+        ``RagPrompt``'s own ``extra``. Recompute settings need blend mode (given here, per prompt
+        or as the deployment's default); bad values raise ValueError naming the setting. An
+        ordinary prompt (no chunks) runs as vanilla vLLM whatever the mode."""
         from vllm import SamplingParams
 
         if prompts is None:
@@ -72,20 +84,30 @@ class GraphChunkLLM:
             prompts = [prompts]
         params = sampling_params or SamplingParams()
         per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+        call_args = {key: value for key, value in ((MODE_ARG, mode), (RECOMPUTE_ARG, recompute),
+                                                   (RATIO_ARG, recompute_ratio), (TOKENS_ARG, recompute_tokens))
+                     if value is not None}
         inputs, all_params = [], []
         for prompt, p in zip(prompts, per_prompt, strict=True):
+            if call_args or isinstance(prompt, RagPrompt):
+                p = p.clone()
+                p.extra_args = {**(p.extra_args or {}), **call_args}
             if isinstance(prompt, RagPrompt):
                 token_ids, boundaries = self.encode(prompt)
-                p = p.clone()
-                p.extra_args = {**(p.extra_args or {}), **prompt.extra, BOUNDARIES_ARG: boundaries}
+                p.extra_args = {**p.extra_args, **prompt.extra, BOUNDARIES_ARG: boundaries}
                 prompt = {"prompt_token_ids": token_ids}
             inputs.append(prompt)
             all_params.append(p)
         return self.llm.generate(inputs, all_params, use_tqdm=use_tqdm)
 
-    def chat(self, sys: str, chunks: Sequence[str], question: str, sampling_params=None, use_tqdm: bool = False):
-        """One assistant turn answering ``question`` from ``chunks`` under the system prompt ``sys``."""
-        return self.generate(RagPrompt(sys, list(chunks), question, chat=True), sampling_params, use_tqdm=use_tqdm)
+    def chat(self, sys: str, chunks: Sequence[str], question: str, sampling_params=None, use_tqdm: bool = False,
+             *, mode: str | None = None, recompute: str | None = None, recompute_ratio: float | None = None,
+             recompute_tokens: int | None = None):
+        """One assistant turn answering ``question`` from ``chunks`` under the system prompt ``sys``;
+        ``mode`` and the ``recompute*`` settings as in ``generate``."""
+        return self.generate(RagPrompt(sys, list(chunks), question, chat=True), sampling_params, use_tqdm=use_tqdm,
+                             mode=mode, recompute=recompute, recompute_ratio=recompute_ratio,
+                             recompute_tokens=recompute_tokens)
 
     def encode(self, prompt: RagPrompt) -> tuple[list[int], list[int]]:
         """Token ids and segment boundaries (start of each chunk and of the question)."""

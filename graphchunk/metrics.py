@@ -20,6 +20,12 @@ class CacheMetrics:
     graph_captures: int = 0
     graph_replays: int = 0
     graph_fallbacks: int = 0
+    blend_lookups: int = 0
+    blend_hits: int = 0
+    blend_misses: int = 0
+    blend_tokens_reused: int = 0
+    blend_tokens_recomputed: int = 0
+    blend_tokens_checked: int = 0
 
     @property
     def pool_utilization(self) -> float:
@@ -28,6 +34,12 @@ class CacheMetrics:
     @property
     def hit_rate(self) -> float:
         return self.hits / self.lookups if self.lookups else 0.0
+
+    def count(self, name: str, n: int, mode: str) -> None:
+        """Adds ``n`` to counter ``name`` (all modes) and, for blend requests, to ``blend_<name>``."""
+        setattr(self, name, getattr(self, name) + n)
+        if mode == "blend":
+            setattr(self, f"blend_{name}", getattr(self, f"blend_{name}") + n)
 
     @contextmanager
     def timed_lookup(self):
@@ -48,7 +60,8 @@ class CacheMetrics:
 
 METRICS_FILE_ENV = "GRAPHCHUNK_METRICS_FILE"
 COUNTERS = ("lookups", "hits", "misses", "evictions", "tokens_reused", "tokens_computed", "lookup_seconds",
-            "graph_captures", "graph_replays", "graph_fallbacks")
+            "graph_captures", "graph_replays", "graph_fallbacks", "blend_lookups", "blend_hits", "blend_misses",
+            "blend_tokens_reused", "blend_tokens_recomputed", "blend_tokens_checked")
 GAUGES = ("pool_blocks_used", "pool_blocks_total", "pool_utilization", "hit_rate")
 FIELDS = COUNTERS + GAUGES
 HELP = {
@@ -62,6 +75,11 @@ HELP = {
     "graph_captures": "Graph templates captured (one per bucket)",
     "graph_replays": "Cached-chunk prefill steps that replayed a graph template",
     "graph_fallbacks": "Cached-chunk prefill steps that ran eager (no bucket fits, or a replay miss)",
+    "blend_lookups": "Chunk-pool lookups of blend-mode requests (isolated: lookups - blend_lookups)",
+    "blend_hits": "Chunk-pool hits of blend-mode requests", "blend_misses": "Chunk-pool misses of blend-mode requests",
+    "blend_tokens_reused": "Context tokens of blend-mode requests whose KV was copied from the pool",
+    "blend_tokens_recomputed": "Reused chunk tokens of blend-mode requests recomputed through every layer",
+    "blend_tokens_checked": "Chunk tokens run through CacheBlend's check layers to rank them",
 }
 
 

@@ -20,17 +20,19 @@ import dataclasses
 import logging
 import os
 
-import numpy as np
 import torch
 
+from graphchunk.blend import RecomputePolicy
 from graphchunk.buckets import Bucket, RequestShape, load_grid
-from graphchunk.chunk_cache import ChunkCache, PseudoSeq, ScheduledPrompt
+from graphchunk.chunk_cache import ChunkCache, ScheduledPrompt
 from graphchunk.config import ConfigError, GraphChunkConfig
-from graphchunk.frontend import BOUNDARIES_ARG, SALT_ARG
+from graphchunk.frontend import BOUNDARIES_ARG, MODE_ARG, RATIO_ARG, RECOMPUTE_ARG, SALT_ARG, TOKENS_ARG
 from graphchunk.keys import KeySpace
 from graphchunk.kv_slots import KVCopier, KVSlotMap
 from graphchunk.metrics import METRICS_FILE_ENV, CacheMetrics, MetricsPublisher
 from graphchunk.pool import ChunkPool
+from graphchunk.rope import KeyRotation
+from graphchunk.runner_device import KVDeviceMixin, decoder_stack
 from graphchunk.segments import SegmentedPrompt, split_at
 from graphchunk.templates import GraphTemplates
 
@@ -38,13 +40,14 @@ logger = logging.getLogger("graphchunk")
 
 
 
-class ChunkRunnerMixin:
+class ChunkRunnerMixin(KVDeviceMixin):
     """Methods added to a vLLM v1 GPUModelRunner subclass; ``graphchunk_setup`` initialises them."""
 
     def graphchunk_setup(self, config: GraphChunkConfig) -> None:
         self.gc_config = config
         self.gc_metrics = CacheMetrics()
-        self.gc_prompts: dict[str, tuple[SegmentedPrompt, str | None]] = {}
+        self.gc_prompts: dict[str, tuple[SegmentedPrompt, str | None, RecomputePolicy | None]] = {}
+        """Segmented requests: segmentation, KV salt, and blend mode's policy (None: isolated)."""
         self.gc_pending: list[tuple[str, ScheduledPrompt]] = []
         self.gc_dummy: set[str] = set()
         self.gc_cache: ChunkCache | None = None
@@ -80,9 +83,32 @@ class ChunkRunnerMixin:
         model = self.model_config
         space = KeySpace(model=f"{model.model}@{model.revision or ''}", dtype=str(model.dtype),
                          parallel_layout=_parallel_layout(self.parallel_config))
-        self.gc_cache = ChunkCache(pool, space, self.scheduler_config.max_num_batched_tokens)
+        self.gc_cache = ChunkCache(pool, space, self.scheduler_config.max_num_batched_tokens,
+                                   check_layer=self.gc_config.check_layer)
+        self._bind_blend()
         logger.info("graphchunk: chunk pool of %d blocks (%d tokens) at block ids [%d, %d)", pool.num_blocks,
                     pool.num_blocks * pool.block_size, first_pool_block, first_pool_block + pool.num_blocks)
+
+    def _bind_blend(self) -> None:
+        """Blend mode needs keys it can move (``rope.py``) and, for CacheBlend, a decoder whose layer
+        range can be narrowed. A model without them refuses blend: at start-up when blend is the
+        default mode, per request otherwise (the frontend checks the same, see ``blend_refusal``)."""
+        self.gc_rotation, self.gc_blend_refusal = None, None
+        try:
+            self.gc_rotation = KeyRotation.from_model(self.model)
+            decoder = decoder_stack(self.model)
+            num_layers = decoder.end_layer - decoder.start_layer
+            if self.gc_config.check_layer >= num_layers:
+                raise ConfigError(f"graphchunk.check_layer={self.gc_config.check_layer} must be below the "
+                                  f"model's {num_layers} layers")
+            if self.gc_rotation.max_delta + 1 < self.model_config.max_model_len:
+                raise ConfigError(f"the rotary cache holds {self.gc_rotation.max_delta + 1} positions, fewer than "
+                                  f"max_model_len={self.model_config.max_model_len}")
+        except ConfigError as exc:
+            self.gc_rotation, self.gc_blend_refusal = None, str(exc)
+            if self.gc_config.mode == "blend":
+                raise
+            logger.warning("graphchunk: blend mode unavailable: %s", exc)
 
     def _probe_kv_layout(self, layer, spec) -> KVSlotMap:
         kv = layer.kv_cache
@@ -123,7 +149,17 @@ class ChunkRunnerMixin:
         seg = split_at(new_req.prompt_token_ids, boundaries, max_chunks=self.gc_config.max_chunks,
                        max_chunk_len=self.gc_config.max_chunk_len)
         if seg.layout.num_chunks:
-            self.gc_prompts[new_req.req_id] = (seg, args.get(SALT_ARG))
+            self.gc_prompts[new_req.req_id] = (seg, args.get(SALT_ARG), self._policy(args))
+
+    def _policy(self, args: dict) -> RecomputePolicy | None:
+        """Blend mode's recompute policy as the frontend resolved it (None: isolated)."""
+        config = self.gc_config
+        if args.get(MODE_ARG, config.mode) != "blend":
+            return None
+        if self.gc_rotation is None:
+            raise ConfigError(f"graphchunk blend mode is not available for this model: {self.gc_blend_refusal}")
+        return RecomputePolicy(args.get(RECOMPUTE_ARG, config.recompute), args.get(RATIO_ARG, config.recompute_ratio),
+                               args.get(TOKENS_ARG, config.recompute_tokens))
 
     def _plan_step(self, so):
         computed = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
@@ -134,10 +170,10 @@ class ChunkRunnerMixin:
         for req_id, num_tokens in so.num_scheduled_tokens.items():
             if req_id not in self.gc_prompts:
                 continue
-            seg, salt = self.gc_prompts[req_id]
+            seg, salt, policy = self.gc_prompts[req_id]
             lay = seg.layout
             start, end = computed[req_id], computed[req_id] + num_tokens
-            prompt = ScheduledPrompt(seg, salt, start, end, ())
+            prompt = ScheduledPrompt(seg, salt, start, end, (), policy)
             own_start = prompt.compute_start()
             self.gc_metrics.tokens_computed += max(0, min(end, lay.num_tokens) - max(own_start, start))
             if start < lay.context_len:  # also when own_start == start: one context token scheduled
@@ -171,11 +207,14 @@ class ChunkRunnerMixin:
         for req_id, index in batch.req_id_to_index.items():
             if req_id not in self.gc_prompts:
                 continue
-            layout = self.gc_prompts[req_id][0].layout
+            seg, _, policy = self.gc_prompts[req_id]
+            layout = seg.layout
             begin, end = int(query_start[index]), int(query_start[index + 1])
             if req_id in self.gc_dummy:  # its KV was copied in; keep the recomputed token from overwriting it
                 slot_mapping.cpu[begin:end] = -1
                 slot_mapping.gpu[begin:end] = -1
+                continue
+            if policy is not None:  # blend: ordinary positions
                 continue
             first = begin + max(0, layout.context_len - int(batch.num_computed_tokens_cpu[index]))
             self.positions[first:end] += layout.position_offset
@@ -214,49 +253,6 @@ class ChunkRunnerMixin:
         bucket, self.gc_bucket = self.gc_bucket, None
         eager = super()._model_forward
         return eager(**inputs) if bucket is None else self.gc_templates.replay(bucket, eager, **inputs)
-
-    # --- KVDevice --------------------------------------------------------------------------------
-
-    def forward(self, seqs: list[PseudoSeq]) -> None:
-        from vllm.forward_context import set_forward_context
-        from vllm.v1.attention.backend import CommonAttentionMetadata
-
-        bs = self.cache_config.block_size
-        device = self.device
-        new_lens = [s.num_new for s in seqs]
-        seq_lens = torch.tensor([len(s.token_ids) for s in seqs], dtype=torch.int32)
-        ids = torch.tensor(np.concatenate([np.asarray(s.token_ids[s.num_cached:]) for s in seqs]), dtype=torch.int32)
-        positions = torch.from_numpy(np.concatenate([s.positions[s.num_cached:] for s in seqs]).astype(np.int64))
-        block_table = torch.zeros(len(seqs), max(len(s.block_ids) for s in seqs), dtype=torch.int32)
-        slots = []
-        for i, s in enumerate(seqs):
-            block_table[i, : len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.int32)
-            logical = np.arange(s.num_cached, len(s.token_ids))
-            slots.append(np.asarray(s.block_ids, np.int64)[logical // bs] * bs + logical % bs)
-        slot_mapping = torch.from_numpy(np.concatenate(slots))
-        query_start = torch.zeros(len(seqs) + 1, dtype=torch.int32)
-        query_start[1:] = torch.cumsum(torch.tensor(new_lens), 0)
-        num_tokens = int(query_start[-1])
-        to = lambda t: t.to(device, non_blocking=True)  # noqa: E731
-        common = CommonAttentionMetadata(
-            query_start_loc=to(query_start), query_start_loc_cpu=query_start, seq_lens=to(seq_lens),
-            num_reqs=len(seqs), num_actual_tokens=num_tokens, max_query_len=max(new_lens),
-            max_seq_len=int(seq_lens.max()), block_table_tensor=to(block_table), slot_mapping=to(slot_mapping),
-            causal=True, positions=to(positions), seq_lens_cpu_upper_bound=seq_lens)
-        attn_metadata, slot_by_layer = {}, {}
-        for group in self.attn_groups[0]:
-            metadata = group.build_metadata(common)
-            for name in group.layer_names:
-                attn_metadata[name], slot_by_layer[name] = metadata, common.slot_mapping
-        with set_forward_context(attn_metadata, self.vllm_config, num_tokens=num_tokens,
-                                 slot_mapping=slot_by_layer, is_padding=torch.zeros(num_tokens, dtype=torch.bool)):
-            self.model(input_ids=to(ids), positions=to(positions), intermediate_tensors=None, inputs_embeds=None)
-
-    def copy_blocks(self, src_blocks: list[int], dst_blocks: list[int]) -> None:
-        self.gc_copier.copy_blocks(src_blocks, dst_blocks)
-
-    def copy_slots(self, src_slots: np.ndarray, dst_slots: np.ndarray) -> None:
-        self.gc_copier.copy_slots(src_slots, dst_slots)
 
     def graphchunk_stats(self) -> dict[str, float]:
         return self.gc_metrics.snapshot()

@@ -1,10 +1,15 @@
-"""Independent reference for isolated-mode semantics (DESIGN.md §2), on plain HF transformers.
+"""Independent references for DESIGN.md §2, on plain HF transformers.
 
-Two computations that share nothing with graphchunk's serving path except ``Layout``:
-- the masked full forward: the whole prompt in one pass with an explicit 4D additive mask from
-  ``Layout.attention_allowed`` and ``position_ids`` from ``Layout.positions``;
-- the incremental form: every chunk prefilled as its own ``sys ‖ chunk`` sequence with ordinary
-  causal attention, the KV concatenated, and the question run over it (what a cache does).
+Computations that share nothing with graphchunk's serving path except ``Layout``:
+- isolated mode, the masked full forward: the whole prompt in one pass with an explicit 4D
+  additive mask from ``Layout.attention_allowed`` and ``position_ids`` from ``Layout.positions``;
+- isolated mode, the incremental form: every chunk prefilled as its own ``sys ‖ chunk`` sequence
+  with ordinary causal attention, the KV concatenated, and the question run over it;
+- blend mode's target: the plain causal forward (``causal_generate``, no mask, positions [0, N));
+- blend mode without recomputation (``naive_reuse_generate``): sys prefilled causally, every
+  chunk prefilled alone directly at the positions where it lands (no rotation involved: HF
+  rotates at those positions itself), the KV concatenated, the question and the generated
+  tokens run over it at ordinary positions.
 """
 from __future__ import annotations
 
@@ -85,10 +90,44 @@ class Oracle:
         out = self._forward(token_ids[question], layout.positions()[question], None, cache)
         return out.logits[0, -1].float()
 
-    def _causal_kv(self, token_ids: list[int]) -> list[LayerKV]:
-        """KV of an ordinary causal prefill at positions [0, len)."""
+    @torch.inference_mode()
+    def causal_generate(self, token_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
+        """Greedy tokens and each one's log-softmax over the vocabulary, under HF's plain causal
+        forward (what vanilla vLLM computes); EOS does not stop it."""
         cache = transformers.DynamicCache(config=self.model.config)
-        self._forward(token_ids, np.arange(len(token_ids)), None, cache)
+        out = self._forward(token_ids, np.arange(len(token_ids)), None, cache)
+        return self._greedy(out, cache, len(token_ids), max_new_tokens)
+
+    @torch.inference_mode()
+    def naive_reuse_generate(self, token_ids: list[int], layout: Layout,
+                             max_new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
+        """Blend mode with nothing recomputed: each chunk's KV computed alone at its own ordinary
+        positions [P, P + L); sys causal at [0, S); question and generated tokens over all of it."""
+        _check_length(token_ids, layout)
+        parts = [self._causal_kv(token_ids[:layout.sys_len])] if layout.sys_len else []
+        for start, n in zip(layout.chunk_starts(), layout.chunk_lens):
+            parts.append(self._causal_kv(token_ids[start:start + n], first_position=start))
+        layers = [tuple(torch.cat([part[layer][which] for part in parts], dim=2) for which in (0, 1))
+                  for layer in range(len(parts[0]))]
+        cache = transformers.DynamicCache(layers, config=self.model.config)
+        question = slice(layout.context_len, layout.num_tokens)
+        out = self._forward(token_ids[question], np.arange(layout.context_len, layout.num_tokens), None, cache)
+        return self._greedy(out, cache, layout.num_tokens, max_new_tokens)
+
+    def _greedy(self, out, cache, next_position: int, max_new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
+        tokens, logprobs = [], []
+        while True:
+            logprobs.append(out.logits[0, -1].float().log_softmax(-1))
+            tokens.append(int(logprobs[-1].argmax()))
+            if len(tokens) == max_new_tokens:
+                return tokens, logprobs
+            out = self._forward(tokens[-1:], np.array([next_position]), None, cache)
+            next_position += 1
+
+    def _causal_kv(self, token_ids: list[int], first_position: int = 0) -> list[LayerKV]:
+        """KV of an ordinary causal prefill at positions [first_position, first_position + len)."""
+        cache = transformers.DynamicCache(config=self.model.config)
+        self._forward(token_ids, np.arange(first_position, first_position + len(token_ids)), None, cache)
         return [(layer.keys, layer.values) for layer in cache.layers]
 
     def _forward(self, token_ids: list[int], positions: np.ndarray, allowed: np.ndarray | None,

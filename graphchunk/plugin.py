@@ -1,8 +1,9 @@
 """vLLM general plugin (entry point ``vllm.general_plugins``): hooks request processing.
 
-vLLM loads general plugins in every process; this one only wraps
-``InputProcessor.process_inputs`` (idempotently), and the wrapper acts only for engines whose
-worker is graphchunk's, so installing graphchunk changes nothing for other vLLM users.
+vLLM loads general plugins in every process; this one wraps ``InputProcessor.process_inputs``
+and, for the OpenAI server, ``GenerateBaseServing._with_kv_transfer_rejection_cleanup``
+(each idempotently), and both wrappers act only for engines whose worker is graphchunk's, so
+installing graphchunk changes nothing for other vLLM users.
 """
 from __future__ import annotations
 
@@ -30,6 +31,68 @@ def register() -> None:
 
     process_inputs._graphchunk = True
     InputProcessor.process_inputs = process_inputs
+    _guard_json_booleans()
+
+
+def _guard_json_booleans() -> None:
+    """Rejects JSON booleans among graphchunk's ``vllm_xargs`` (a 400 naming the argument).
+
+    vLLM's OpenAI request models type ``vllm_xargs`` as ``dict[str, str | int | float |
+    list[str | int | float]]``, and pydantic's lax union validation turns true/false into 1/0
+    while FastAPI builds the request model, before vLLM or this plugin sees anything:
+    ``"graphchunk_boundaries": [true, 5]`` would run as [1, 5], ``"graphchunk_recompute_ratio":
+    true`` as 1. The request model cannot be re-validated from here (FastAPI compiled its
+    validator when the routes were built), but the raw JSON stays cached on the HTTP request
+    (Starlette's ``Request.json()``, which FastAPI used), and completions, chat completions and
+    responses all pass it to ``_with_kv_transfer_rejection_cleanup`` before anything reaches the
+    engine. The wrapper checks it there, for graphchunk engines only, and turns a boolean into
+    the same ErrorResponse (400) as vLLM's own request checks, keeping the method's
+    KV-connector cleanup for rejected requests."""
+    try:
+        from vllm.entrypoints.generate.base.serving import GenerateBaseServing
+    except ImportError:  # no OpenAI server in this vLLM
+        return
+    original = GenerateBaseServing._with_kv_transfer_rejection_cleanup
+    if getattr(original, "_graphchunk", False):
+        return
+
+    async def _with_kv_transfer_rejection_cleanup(self, awaitable, request, raw_request, *args, **kwargs):
+        problem = await _json_boolean_problem(self, raw_request)
+        if problem is not None:
+            close = getattr(awaitable, "close", None)
+            if close is not None:
+                close()  # the create_* coroutine never runs: the request does not reach the engine
+            awaitable = _returns(self.create_error_response(problem, param="vllm_xargs"))
+        return await original(self, awaitable, request, raw_request, *args, **kwargs)
+
+    _with_kv_transfer_rejection_cleanup._graphchunk = True
+    GenerateBaseServing._with_kv_transfer_rejection_cleanup = _with_kv_transfer_rejection_cleanup
+
+
+async def _json_boolean_problem(serving, raw_request) -> str | None:
+    if raw_request is None:
+        return None
+    serves_graphchunk = getattr(serving, "_graphchunk_engine", None)
+    if serves_graphchunk is None:
+        from graphchunk.frontend import is_graphchunk_worker
+
+        config = getattr(getattr(serving, "engine_client", None), "vllm_config", None)
+        worker_cls = getattr(getattr(config, "parallel_config", None), "worker_cls", None)
+        serves_graphchunk = worker_cls is not None and is_graphchunk_worker(worker_cls)
+        serving._graphchunk_engine = serves_graphchunk
+    if not serves_graphchunk:
+        return None
+    try:
+        body = await raw_request.json()  # cached: FastAPI parsed the body with it
+    except Exception:  # not JSON: FastAPI has already answered such requests
+        return None
+    from graphchunk.frontend import json_boolean_problem
+
+    return json_boolean_problem(body)
+
+
+async def _returns(value):
+    return value
 
 
 def _request_error_class() -> type:
@@ -50,12 +113,14 @@ def _annotator(processor):
     if annotator is None:
         from graphchunk.config import GraphChunkConfig
         from graphchunk.frontend import RequestAnnotator, is_graphchunk_worker
+        from graphchunk.rope import hf_rope_refusal
 
         config = processor.vllm_config
         annotator = False
         if is_graphchunk_worker(config.parallel_config.worker_cls):
             gc_config = GraphChunkConfig.from_additional_config(config.additional_config)
-            annotator = RequestAnnotator(gc_config, processor.get_tokenizer())
+            annotator = RequestAnnotator(gc_config, processor.get_tokenizer(),
+                                         hf_rope_refusal(config.model_config.hf_config))
         setattr(processor, _ANNOTATOR, annotator)
     return annotator or None
 

@@ -13,6 +13,7 @@ import logging
 from graphchunk.buckets import BucketGrid, load_grid
 from graphchunk.config import ConfigError, GraphChunkConfig
 from graphchunk.model_runner import chunk_runner_class
+from graphchunk.rope import hf_rope_refusal
 
 logger = logging.getLogger("graphchunk")
 
@@ -44,8 +45,11 @@ def check_config(vllm_config, config: GraphChunkConfig) -> None:
         raise ConfigError("graphchunk does not support pipeline parallelism")
     if vllm_config.speculative_config is not None:
         raise ConfigError("graphchunk does not support speculative decoding")
-    if config.mode != "isolated":
-        raise ConfigError(f"graphchunk.mode={config.mode!r} is not available yet; use 'isolated'")
+    if config.mode == "blend":
+        refusal = hf_rope_refusal(vllm_config.model_config.hf_config)
+        if refusal:
+            raise ConfigError(f"graphchunk.mode='blend' is not available for this model: {refusal}; "
+                              f"use mode 'isolated'")
     if config.templates:
         check_grid(vllm_config, load_grid(config.templates))
     block_size = vllm_config.cache_config.block_size

@@ -104,12 +104,30 @@ def reference(oracle, seg: SegmentedPrompt, max_tokens: int) -> Reference:
     return REFERENCES[key]
 
 
+def blend_reference(oracle, seg: SegmentedPrompt, kind: str, max_tokens: int = MAX_TOKENS) -> Reference:
+    """Blend mode's references: "causal" (full prefill, what recomputing 100 % must give) or
+    "naive" (each chunk alone at its own positions, nothing recomputed)."""
+    key = (kind, seg.token_ids, seg.layout, max_tokens)
+    if key not in REFERENCES:
+        if kind == "causal":
+            tokens, logprobs = oracle.causal_generate(list(seg.token_ids), max_tokens)
+        else:
+            tokens, logprobs = oracle.naive_reuse_generate(list(seg.token_ids), seg.layout, max_tokens)
+        REFERENCES[key] = Reference(tokens, logprobs)
+    return REFERENCES[key]
+
+
 def assert_matches_oracle(output, seg: SegmentedPrompt, oracle, max_tokens: int = MAX_TOKENS) -> None:
-    """Greedy tokens equal the oracle's; every generated token's top-20 logprobs (values by id,
-    and the sorted top-20 values, so no token the oracle ranks higher is missing) agree."""
-    ref = reference(oracle, seg, max_tokens)
+    """Greedy tokens equal the isolated-mode oracle's (see ``assert_matches_reference``)."""
+    assert_matches_reference(output, reference(oracle, seg, max_tokens), f"layout {seg.layout}")
+
+
+def assert_matches_reference(output, ref: Reference, what: str = "") -> None:
+    """Greedy tokens equal the reference's; every generated token's top-20 logprobs (values by id,
+    and the sorted top-20 values, so no token the reference ranks higher is missing) agree."""
+    max_tokens = len(ref.tokens)
     completion = output.outputs[0]
-    assert list(completion.token_ids) == ref.tokens, f"layout {seg.layout}"
+    assert list(completion.token_ids) == ref.tokens, what
     assert len(completion.logprobs) == max_tokens
     for step, (top, expected) in enumerate(zip(completion.logprobs, ref.logprobs)):
         top = {token: lp.logprob for token, lp in top.items() if lp.rank <= TOP_LOGPROBS}

@@ -16,6 +16,18 @@ def test_defaults_and_section():
     ({"pool_tokens": True}, "pool_tokens must be int"),
     ({"mode": "fast"}, "mode must be one of"),
     ({"separator": 3}, "separator must be str"),
+    ({"recompute": "all"}, r"graphchunk.recompute\*: recompute policy must be one of \('none', 'cacheblend', 'legolink'\), got 'all'"),
+    ({"recompute": 1}, "graphchunk.recompute must be str, got 1"),
+    ({"recompute_ratio": 1.5}, r"recompute ratio must be a number in \[0, 1\], got 1.5"),
+    ({"recompute_ratio": -0.01}, r"recompute ratio must be a number in \[0, 1\]"),
+    ({"recompute_ratio": "0.1"}, "graphchunk.recompute_ratio must be a number, got '0.1'"),
+    ({"recompute_ratio": True}, "graphchunk.recompute_ratio must be a number, got True"),
+    ({"recompute_tokens": -1}, "recompute tokens must be an integer >= 0, got -1"),
+    ({"recompute_tokens": 2.5}, "graphchunk.recompute_tokens must be int, got 2.5"),
+    ({"recompute_tokens": False}, "graphchunk.recompute_tokens must be int, got False"),
+    ({"check_layer": -1}, "graphchunk.check_layer must be >= 0, got -1"),
+    ({"check_layer": 1.0}, "graphchunk.check_layer must be int, got 1.0"),
+    ({"check_layer": True}, "graphchunk.check_layer must be int, got True"),
 ])
 def test_invalid_settings_name_the_problem(raw, message):
     with pytest.raises(ConfigError, match=message):
@@ -25,3 +37,15 @@ def test_invalid_settings_name_the_problem(raw, message):
 def test_section_must_be_a_dict():
     with pytest.raises(ConfigError, match="must be a dict"):
         GraphChunkConfig.from_additional_config({"graphchunk": "yes"})
+
+
+def test_blend_settings():
+    cfg = GraphChunkConfig.from_dict({"mode": "blend", "recompute": "legolink", "recompute_ratio": 1,
+                                      "recompute_tokens": 0, "check_layer": 0})
+    assert (cfg.mode, cfg.recompute, cfg.recompute_tokens, cfg.check_layer) == ("blend", "legolink", 0, 0)
+    assert cfg.recompute_ratio == 1.0 and isinstance(cfg.recompute_ratio, float)  # an int ratio becomes a float
+    assert cfg.policy.describe() == "legolink:0"
+    default = GraphChunkConfig()
+    assert (default.recompute, default.recompute_ratio, default.recompute_tokens, default.check_layer) == \
+        ("cacheblend", 0.15, 4, 1)
+    assert default.policy.describe() == "cacheblend:0.15"

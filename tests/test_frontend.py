@@ -5,7 +5,8 @@ import pytest
 from vllm import SamplingParams
 
 from graphchunk.config import GraphChunkConfig
-from graphchunk.frontend import BOUNDARIES_ARG, SALT_ARG, RequestAnnotator, is_graphchunk_worker
+from graphchunk.frontend import (BOUNDARIES_ARG, MODE_ARG, RATIO_ARG, RECOMPUTE_ARG, SALT_ARG, TOKENS_ARG,
+                                 RequestAnnotator, is_graphchunk_worker, json_boolean_problem, layout_fingerprint)
 from graphchunk.segments import SegmentationError
 
 
@@ -60,7 +61,7 @@ def test_ordinary_prompt_is_untouched(tokenizer, annotator):
 def test_explicit_boundaries(tokenizer, annotator):
     req = request(tokenizer, "a b c d e f g h", extra_args={BOUNDARIES_ARG: [2, 4, 6], SALT_ARG: "forged"})
     annotator.annotate(req)
-    assert req.sampling_params.extra_args == {BOUNDARIES_ARG: [2, 4, 6], SALT_ARG: None}
+    assert req.sampling_params.extra_args == {BOUNDARIES_ARG: [2, 4, 6], SALT_ARG: None, MODE_ARG: "isolated"}
     zero_chunks = request(tokenizer, "a b c d", extra_args={BOUNDARIES_ARG: [2]})
     annotator.annotate(zero_chunks)
     assert zero_chunks.cache_salt is None and not zero_chunks.sampling_params.extra_args
@@ -81,6 +82,229 @@ def test_bad_input_is_a_value_error_naming_the_problem(tokenizer, annotator, tex
         annotator.annotate(request(tokenizer, text, **params))
 
 
+# --- mode and recompute policy (blend) -----------------------------------------------------------
+
+RAG = "Sys. ## Doc one. ## Doc two. ## Question?"
+
+
+def annotated(tokenizer, config=None, text=RAG, **extra):
+    ann = RequestAnnotator(config or GraphChunkConfig(max_chunks=4, max_chunk_len=64), tokenizer)
+    req = request(tokenizer, text, salt="tenant", extra_args=extra or None)
+    ann.annotate(req)
+    return req
+
+
+def resolved(req) -> dict:
+    args = req.sampling_params.extra_args
+    return {key: args[key] for key in (MODE_ARG, RECOMPUTE_ARG, RATIO_ARG, TOKENS_ARG) if key in args}
+
+
+BLEND_CONFIG = GraphChunkConfig(max_chunks=4, max_chunk_len=64, mode="blend", recompute="legolink",
+                                recompute_ratio=0.3, recompute_tokens=7)
+
+
+@pytest.mark.parametrize("config, extra, expected", [
+    (None, {}, {MODE_ARG: "isolated"}),
+    (None, {MODE_ARG: "isolated"}, {MODE_ARG: "isolated"}),
+    (None, {MODE_ARG: "blend"},
+     {MODE_ARG: "blend", RECOMPUTE_ARG: "cacheblend", RATIO_ARG: 0.15, TOKENS_ARG: 4}),
+    (None, {MODE_ARG: "blend", RATIO_ARG: 1},
+     {MODE_ARG: "blend", RECOMPUTE_ARG: "cacheblend", RATIO_ARG: 1.0, TOKENS_ARG: 4}),
+    (None, {MODE_ARG: "blend", RECOMPUTE_ARG: "legolink", TOKENS_ARG: 2},
+     {MODE_ARG: "blend", RECOMPUTE_ARG: "legolink", RATIO_ARG: 0.15, TOKENS_ARG: 2}),
+    (BLEND_CONFIG, {}, {MODE_ARG: "blend", RECOMPUTE_ARG: "legolink", RATIO_ARG: 0.3, TOKENS_ARG: 7}),
+    (BLEND_CONFIG, {RECOMPUTE_ARG: "none"}, {MODE_ARG: "blend", RECOMPUTE_ARG: "none", RATIO_ARG: 0.3, TOKENS_ARG: 7}),
+    (BLEND_CONFIG, {RECOMPUTE_ARG: "cacheblend", RATIO_ARG: 0.5},
+     {MODE_ARG: "blend", RECOMPUTE_ARG: "cacheblend", RATIO_ARG: 0.5, TOKENS_ARG: 7}),
+    (BLEND_CONFIG, {MODE_ARG: "isolated"}, {MODE_ARG: "isolated"}),
+])
+def test_segmented_request_carries_the_resolved_mode_and_policy(tokenizer, config, extra, expected):
+    got = resolved(annotated(tokenizer, config, **extra))
+    assert got == expected
+    assert all(type(got[k]) is type(expected[k]) for k in got)  # ratio a float, tokens an int
+
+
+@pytest.mark.parametrize("config, extra, message", [
+    (None, {MODE_ARG: "bogus"}, r"graphchunk_mode must be one of \('isolated', 'blend'\), got 'bogus'"),
+    (None, {MODE_ARG: 1}, "graphchunk_mode must be one of"),
+    (None, {MODE_ARG: "blend", RECOMPUTE_ARG: "x"}, "graphchunk_recompute must be one of .*, got 'x'"),
+    (None, {MODE_ARG: "blend", RATIO_ARG: 1.5}, r"graphchunk_recompute_ratio must be a number in \[0, 1\], got 1.5"),
+    (None, {MODE_ARG: "blend", RATIO_ARG: 2}, r"graphchunk_recompute_ratio must be a number in \[0, 1\], got 2$"),
+    (None, {MODE_ARG: "blend", RATIO_ARG: -0.1}, "graphchunk_recompute_ratio must be a number"),
+    (None, {MODE_ARG: "blend", RATIO_ARG: "0.1"}, "graphchunk_recompute_ratio must be a number .*, got '0.1'"),
+    (None, {MODE_ARG: "blend", RATIO_ARG: True}, "graphchunk_recompute_ratio must be a number .*, got True"),
+    (None, {MODE_ARG: "blend", TOKENS_ARG: -1}, "graphchunk_recompute_tokens must be an integer >= 0, got -1"),
+    (None, {MODE_ARG: "blend", TOKENS_ARG: 2.5}, "graphchunk_recompute_tokens must be an integer >= 0, got 2.5"),
+    (None, {MODE_ARG: "blend", TOKENS_ARG: False}, "graphchunk_recompute_tokens must be an integer"),
+    (None, {RECOMPUTE_ARG: "legolink"},
+     "graphchunk_recompute only apply to blend mode, but the deployment's default mode .* is 'isolated'"),
+    (None, {MODE_ARG: "isolated", RATIO_ARG: 0.5, TOKENS_ARG: 3},
+     "graphchunk_recompute_ratio, graphchunk_recompute_tokens only apply to blend mode, but graphchunk_mode is"),
+    (BLEND_CONFIG, {MODE_ARG: "isolated", RECOMPUTE_ARG: "none"}, "graphchunk_recompute only apply to blend mode"),
+    (BLEND_CONFIG, {RATIO_ARG: 7}, "graphchunk_recompute_ratio must be a number"),
+])
+@pytest.mark.parametrize("text", [RAG, "An ordinary prompt without separators."])
+def test_bad_mode_arguments_are_value_errors_naming_the_argument(tokenizer, config, extra, message, text):
+    """Checked for every request, segmented or not."""
+    with pytest.raises(SegmentationError, match=message):
+        annotated(tokenizer, config, text=text, **extra)
+
+
+@pytest.mark.parametrize("config, extra", [
+    (None, {MODE_ARG: "blend", RECOMPUTE_ARG: "legolink", RATIO_ARG: 0.5, TOKENS_ARG: 3}),
+    (None, {MODE_ARG: "isolated"}),
+    (BLEND_CONFIG, {RATIO_ARG: 0.5}),
+])
+def test_ordinary_request_loses_the_mode_arguments(tokenizer, config, extra):
+    req = annotated(tokenizer, config, text="What is the capital of France?", **extra, other=1)
+    assert req.sampling_params.extra_args == {"other": 1} and req.cache_salt == "tenant"
+
+
+def test_isolated_salt_is_unchanged(tokenizer):
+    for extra in ({}, {MODE_ARG: "isolated"}):
+        req = annotated(tokenizer, **extra)
+        seg = RequestAnnotator(GraphChunkConfig(), tokenizer).segment(req.prompt_token_ids, {})
+        assert req.cache_salt == f"tenant|graphchunk:{layout_fingerprint(seg)}"
+    assert annotated(tokenizer, BLEND_CONFIG, **{MODE_ARG: "isolated"}).cache_salt == req.cache_salt
+
+
+def test_blend_salt_follows_context_and_policy(tokenizer):
+    isolated = annotated(tokenizer).cache_salt
+    blend = annotated(tokenizer, **{MODE_ARG: "blend"}).cache_salt
+    assert blend.startswith("tenant|graphchunk:") and blend != isolated
+    # Identical requests (defaults resolved or spelled out) share it: prefix-cache hits stay possible.
+    assert annotated(tokenizer, **{MODE_ARG: "blend"}).cache_salt == blend
+    assert annotated(tokenizer, **{MODE_ARG: "blend", RECOMPUTE_ARG: "cacheblend", RATIO_ARG: 0.15}).cache_salt == blend
+    assert annotated(tokenizer, **{MODE_ARG: "blend", RATIO_ARG: 1}).cache_salt == \
+        annotated(tokenizer, **{MODE_ARG: "blend", RATIO_ARG: 1.0}).cache_salt
+    # Another policy, or another parameter of the policy in use.
+    others = [annotated(tokenizer, **{MODE_ARG: "blend", **extra}).cache_salt for extra in (
+        {RATIO_ARG: 0.5}, {RECOMPUTE_ARG: "none"}, {RECOMPUTE_ARG: "legolink"},
+        {RECOMPUTE_ARG: "legolink", TOKENS_ARG: 8})]
+    assert len({blend, isolated, *others}) == 6
+    # One context token changed, anywhere in the context (here: the last chunk, after sys and
+    # the first chunk, whose blocks a CacheBlend step's selection still depends on).
+    base = request(tokenizer, RAG, salt="tenant", extra_args={MODE_ARG: "blend"})
+    ann = RequestAnnotator(GraphChunkConfig(max_chunks=4, max_chunk_len=64), tokenizer)
+    seg = ann.segment(base.prompt_token_ids, {})
+    changed = request(tokenizer, RAG, salt="tenant", extra_args={MODE_ARG: "blend"})
+    at = seg.layout.context_len - 1
+    changed.prompt_token_ids[at] += 1
+    assert ann.segment(changed.prompt_token_ids, {}).layout == seg.layout
+    ann.annotate(base)
+    ann.annotate(changed)
+    assert base.cache_salt == blend and changed.cache_salt != blend
+    # The question is not part of it: another question over the same context may reuse it.
+    longer = annotated(tokenizer, text=RAG.replace("Question?", "Another, longer question?"), **{MODE_ARG: "blend"})
+    assert longer.cache_salt == blend
+    # The request's own salt still separates tenants.
+    other_tenant = request(tokenizer, RAG, salt="other", extra_args={MODE_ARG: "blend"})
+    ann.annotate(other_tenant)
+    assert other_tenant.cache_salt != blend and other_tenant.sampling_params.extra_args[SALT_ARG] == "other"
+
+
+def test_resolved_arguments_resolve_to_themselves(tokenizer):
+    req = annotated(tokenizer, BLEND_CONFIG, **{RATIO_ARG: 0.5})
+    first = resolved(req)
+    RequestAnnotator(GraphChunkConfig(), tokenizer).annotate(req)  # another default mode
+    assert resolved(req) == first
+
+
+@pytest.mark.parametrize("xargs, problem", [
+    ({BOUNDARIES_ARG: [True, 5]}, "graphchunk_boundaries must be a list of integer token indices, got [true, 5]: "
+                                  "JSON booleans are not accepted"),
+    ({BOUNDARIES_ARG: False}, "graphchunk_boundaries must be"),
+    ({MODE_ARG: True}, "graphchunk_mode must be one of"),
+    ({RECOMPUTE_ARG: False}, "graphchunk_recompute must be one of"),
+    ({RATIO_ARG: True}, "graphchunk_recompute_ratio must be a number in [0, 1], got true"),
+    ({TOKENS_ARG: True}, "graphchunk_recompute_tokens must be an integer >= 0, got true"),
+    ({BOUNDARIES_ARG: [1, 5], RATIO_ARG: 1, TOKENS_ARG: 0}, None),
+    ({"other_plugin_flag": True}, None),
+    (None, None),
+    ("not a dict", None),
+])
+def test_json_booleans_in_graphchunk_xargs(xargs, problem):
+    """The OpenAI server's pydantic validation turns them into 1/0; the plugin checks the raw JSON."""
+    got = json_boolean_problem({"prompt": [1, 2], "vllm_xargs": xargs})
+    assert got == problem if problem is None else got.startswith(problem)
+    assert json_boolean_problem([1, 2]) is None
+
+
+@pytest.mark.parametrize("worker_cls, rejected", [("graphchunk.Runner", True), ("auto", False)])
+def test_server_hook_rejects_json_booleans_for_graphchunk_engines_only(worker_cls, rejected):
+    """plugin.py's wrapper of the OpenAI servings' common entry (the server test sends it through HTTP)."""
+    import asyncio
+    import json
+
+    from vllm.entrypoints.generate.base.serving import GenerateBaseServing
+
+    from graphchunk import plugin
+
+    plugin._guard_json_booleans()
+    plugin._guard_json_booleans()  # idempotent: wrapped once
+    method = GenerateBaseServing._with_kv_transfer_rejection_cleanup
+    assert method._graphchunk and not getattr(method, "__wrapped__", None)
+
+    class RawRequest:
+        def __init__(self, body):
+            self.body = body
+
+        async def json(self):
+            return json.loads(self.body)
+
+    serving = SimpleNamespace(
+        has_kv_connector=False, create_error_response=GenerateBaseServing.create_error_response,
+        engine_client=SimpleNamespace(vllm_config=SimpleNamespace(parallel_config=SimpleNamespace(worker_cls=worker_cls))))
+    ran = []
+
+    async def create():
+        ran.append(True)
+        return "created"
+
+    def call(body):
+        return asyncio.run(method(serving, create(), SimpleNamespace(kv_transfer_params=None), RawRequest(body)))
+
+    result = call('{"prompt": [1, 2], "vllm_xargs": {"graphchunk_boundaries": [true, 5]}}')
+    if rejected:
+        assert not ran and result.error.code == 400 and result.error.param == "vllm_xargs"
+        assert result.error.message.startswith("graphchunk_boundaries must be a list of integer token indices")
+    else:
+        assert ran and result == "created"
+    ran.clear()
+    assert call('{"prompt": [1, 2], "vllm_xargs": {"graphchunk_boundaries": [1, 5]}}') == "created" and ran
+
+
+def test_generate_keywords_and_precedence(tokenizer):
+    """GraphChunkLLM.generate: sampling params < the call's keywords < a RagPrompt's extra."""
+    from graphchunk.llm import GraphChunkLLM, RagPrompt
+
+    llm = object.__new__(GraphChunkLLM)
+    llm.tokenizer = tokenizer
+    calls = []
+    llm.llm = SimpleNamespace(generate=lambda inputs, params, use_tqdm: calls.append((inputs, params)))
+    shared = SamplingParams(extra_args={MODE_ARG: "isolated", "other": 1})
+    prompts = ["plain text", RagPrompt("S", ["a", "b"], "q?"),
+               RagPrompt("S", ["a"], "q?", extra={RECOMPUTE_ARG: "legolink", BOUNDARIES_ARG: [9]})]
+    llm.generate(prompts, shared, mode="blend", recompute="cacheblend", recompute_ratio=0.5)
+    (inputs, params), = calls
+    assert [p.extra_args.get(MODE_ARG) for p in params] == ["blend"] * 3
+    assert [p.extra_args.get(RECOMPUTE_ARG) for p in params] == ["cacheblend", "cacheblend", "legolink"]
+    assert all(p.extra_args[RATIO_ARG] == 0.5 and p.extra_args["other"] == 1 for p in params)
+    assert all(TOKENS_ARG not in p.extra_args for p in params)
+    assert params[2].extra_args[BOUNDARIES_ARG] != [9]  # the boundaries are always the encoded ones
+    assert shared.extra_args == {MODE_ARG: "isolated", "other": 1}  # cloned, never changed
+    calls.clear()
+    llm.generate("plain text", shared)
+    assert calls[0][1][0] is shared  # no keywords: the params go through as given
+
+
 def test_worker_detection():
     assert is_graphchunk_worker("graphchunk.Runner")
     assert not is_graphchunk_worker("auto") and not is_graphchunk_worker("vllm.v1.worker.cpu_worker.CPUWorker")
+
+
+def test_blend_requests_refused_for_a_model_whose_keys_cannot_move(tokenizer):
+    ann = RequestAnnotator(GraphChunkConfig(), tokenizer, blend_refusal="dynamic NTK scaling changes ...")
+    with pytest.raises(SegmentationError, match="blend mode is not available for this model: dynamic NTK"):
+        ann.resolve_mode({MODE_ARG: "blend"})
+    assert ann.resolve_mode({}) == ("isolated", None)

@@ -170,6 +170,8 @@ BAD = {
     "boundaries-a-string": (dict(prompt=_ids(8), vllm_xargs={"graphchunk_boundaries": "2,4"}), "must be a list"),
     "boundaries-floats": (dict(prompt=_ids(8), vllm_xargs={"graphchunk_boundaries": [2.5, 4]}), "must be integers"),
     "boundaries-strings": (dict(prompt=_ids(8), vllm_xargs={"graphchunk_boundaries": ["2", 4]}), "must be integers"),
+    "boundaries-booleans": (dict(prompt=_ids(8), vllm_xargs={"graphchunk_boundaries": [True, 5]}),
+                            r"graphchunk_boundaries must be .*, got \[true, 5\]: JSON booleans are not accepted"),
     "boundaries-decreasing": (dict(prompt=_ids(8), vllm_xargs={"graphchunk_boundaries": [5, 2]}), "non-decreasing"),
     "boundaries-past-the-end": (dict(prompt=_ids(8), vllm_xargs={"graphchunk_boundaries": [2, 99]}),
                                 r"must lie within \[0, 8\]"),

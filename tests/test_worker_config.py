@@ -15,7 +15,8 @@ def vllm_config(**overrides):
         parallel_config=SimpleNamespace(pipeline_parallel_size=config["pp"]),
         speculative_config=config["speculative_config"],
         cache_config=SimpleNamespace(block_size=config["block_size"]),
-        model_config=SimpleNamespace(max_model_len=config["max_model_len"]),
+        model_config=SimpleNamespace(max_model_len=config["max_model_len"],
+                                     hf_config=config.get("hf_config", SimpleNamespace(rope_theta=1e4))),
     )
 
 
@@ -27,9 +28,27 @@ def test_valid_config_passes():
     ({"use_v2_model_runner": True}, {}, "V1 model runner"),
     ({"pp": 2}, {}, "pipeline parallelism"),
     ({"speculative_config": object()}, {}, "speculative decoding"),
-    ({}, {"mode": "blend"}, "not available yet"),
     ({}, {"pool_tokens": 2048, "max_chunk_len": 512}, "pool_tokens=2048 is too small"),
 ])
 def test_misconfigurations_are_named(overrides, gc, message):
     with pytest.raises(ConfigError, match=message):
         check_config(vllm_config(**overrides), GraphChunkConfig(**{"pool_tokens": 65536, **gc}))
+
+
+@pytest.mark.parametrize("hf_config, reason", [
+    (SimpleNamespace(rope_theta=1e4, rope_parameters={"rope_type": "dynamic", "factor": 2.0}), "dynamic NTK"),
+    (SimpleNamespace(), "no rotary position embedding"),
+    (SimpleNamespace(rope_theta=1e4, rope_parameters={"rope_type": "default", "mrope_section": [16, 24, 24]}),
+     "M-RoPE"),
+    (SimpleNamespace(rope_theta=1e4, rope_parameters={"rope_type": "longrope"}), "'longrope' is not known"),
+])
+def test_blend_default_refuses_moving_keys_it_cannot(hf_config, reason):
+    with pytest.raises(ConfigError, match=reason):
+        check_config(vllm_config(hf_config=hf_config), GraphChunkConfig(pool_tokens=65536, mode="blend"))
+    check_config(vllm_config(hf_config=hf_config), GraphChunkConfig(pool_tokens=65536))  # isolated is fine
+
+
+@pytest.mark.parametrize("rope_type", ["default", "linear", "llama3", "yarn"])
+def test_blend_default_accepts_fixed_rotations(rope_type):
+    hf_config = SimpleNamespace(rope_theta=1e4, rope_parameters={"rope_type": rope_type, "factor": 2.0})
+    check_config(vllm_config(hf_config=hf_config), GraphChunkConfig(pool_tokens=65536, mode="blend"))

@@ -1,0 +1,189 @@
+"""Blend mode's host side: recompute policies, the tokens each picks, and the plan over a fake device.
+
+The fake device's "KV" of a token is (the tokens it attended to, its position), so a chunk computed
+alone and moved shows (its own prefix, the position where it landed), and a recomputed token shows
+the request's whole prefix.
+"""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from graphchunk import blend
+from graphchunk.blend import RecomputePolicy, cacheblend_tokens, legolink_tokens, runs
+from graphchunk.chunk_cache import ChunkCache, ScheduledPrompt
+from graphchunk.keys import KeySpace
+from graphchunk.metrics import CacheMetrics
+from graphchunk.pool import ChunkPool
+from graphchunk.segments import split_at
+from test_chunk_cache import BS, make_prompt, request_blocks
+
+
+class BlendDevice:
+    def __init__(self, check_keys=None):
+        self.kv, self.keys, self.calls = {}, {}, []
+        self.check_keys = check_keys or {}  # logical token -> K a check forward writes there
+
+    def slot(self, block_ids, i):
+        return block_ids[i // BS] * BS + i % BS
+
+    def forward(self, seqs, num_layers=None):
+        self.calls.append((num_layers, [(s.num_cached, len(s.token_ids)) for s in seqs]))
+        for seq in seqs:
+            for i in range(seq.num_cached, len(seq.token_ids)):
+                slot = self.slot(seq.block_ids, i)
+                if num_layers is None:
+                    self.kv[slot] = (tuple(seq.token_ids[: i + 1]), int(seq.positions[i]))
+                else:
+                    self.keys[slot] = self.check_keys.get(i, 0.0)
+
+    def copy_blocks(self, src, dst):
+        for s, d in zip(src, dst):
+            for o in range(BS):
+                if s * BS + o in self.kv:
+                    self.kv[d * BS + o] = self.kv[s * BS + o]
+
+    def copy_slots(self, src, dst):
+        for s, d in zip(src.tolist(), dst.tolist()):
+            self.kv[d] = self.kv[s]
+
+    def copy_slots_rotated(self, src, dst, deltas):
+        for s, d, delta in zip(src.tolist(), dst.tolist(), deltas.tolist()):
+            tokens, position = self.kv[s]
+            self.kv[d] = (tokens, position + delta)
+            self.keys[d] = 0.0
+
+    def read_keys(self, layer, slots):
+        return torch.tensor([self.keys.get(s, 0.0) for s in slots.tolist()]).view(-1, 1, 1)
+
+
+def blend_cache(check_layer=1, budget=1000):
+    return ChunkCache(ChunkPool(64, BS, first_block_id=1000), KeySpace("m", "f32"), budget, check_layer)
+
+
+def naive_kv(seg, t):
+    """Blend without recomputation: sys causal; a chunk token attended to its own chunk only, at
+    the position where the chunk landed."""
+    if t < seg.layout.sys_len:
+        return seg.sys_tokens[: t + 1], t
+    for i, (begin, end) in enumerate(seg.bounds[1:-1]):
+        if begin <= t < end:
+            return seg.chunk_tokens(i)[: t - begin + 1], t
+
+
+def fresh_kv(seg, t):
+    return seg.token_ids[: t + 1], t
+
+
+def scheduled(seg, policy, start=0, end=None, first_block=0):
+    end = seg.layout.num_tokens if end is None else end
+    return ScheduledPrompt(seg, None, start, end, request_blocks(first_block, seg), policy)
+
+
+# --- policies ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(name="bogus"), "policy must be one of"), (dict(ratio=1.5), "ratio"), (dict(ratio=True), "ratio"),
+    (dict(ratio="0.1"), "ratio"), (dict(tokens=-1), "tokens"), (dict(tokens=2.0), "tokens"),
+])
+def test_bad_policies_are_named(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        RecomputePolicy(**kwargs)
+
+
+def test_cacheblend_picks_the_largest_deviations_in_order():
+    candidates = np.arange(10, 20)
+    deviation = np.array([0.1, 5, 0.2, 5, 9, 0, 0, 3, 0, 0])
+    assert cacheblend_tokens(candidates, deviation, 0.3).tolist() == [11, 13, 14]  # ties: the earlier token
+    assert cacheblend_tokens(candidates, deviation, 0.05).tolist() == [14]  # ceil(0.5) = 1
+    assert cacheblend_tokens(candidates, deviation, 0.0).tolist() == []
+    assert cacheblend_tokens(candidates, deviation, 1.0).tolist() == list(range(10, 20))
+
+
+def test_legolink_and_runs():
+    assert legolink_tokens([(3, 8), (8, 10), (10, 20)], 3).tolist() == [3, 4, 5, 8, 9, 10, 11, 12]
+    assert runs(np.array([3, 4, 5, 8, 9, 10, 11, 12, 15])) == [(3, 6), (8, 13), (15, 16)]
+    assert runs(np.array([], np.int64)) == []
+
+
+# --- the plan over a device -----------------------------------------------------------------------
+
+def test_naive_reuse_moves_chunks_computed_alone_behind_any_sys():
+    a = make_prompt(3, [5, 6])
+    device, cc = BlendDevice(), blend_cache()
+    first = scheduled(a, RecomputePolicy("none"))
+    cc.materialize([first], device)
+    for t in range(a.layout.context_len):
+        assert device.kv[device.slot(first.block_ids, t)] == naive_kv(a, t), t
+    computed = cc.metrics.tokens_computed
+    # Other sys, chunks swapped: both chunks hit (their keys have no sys) and land at new positions.
+    ids = [7, 7, 7, 7] + list(a.chunk_tokens(1)) + list(a.chunk_tokens(0)) + [9, 9]
+    b = split_at(ids, [4, 10, 15], max_chunks=4, max_chunk_len=64)
+    second = scheduled(b, RecomputePolicy("none"), first_block=20)
+    cc.materialize([second], device)
+    assert cc.metrics.tokens_computed - computed == 4, "only the new sys prompt is computed"
+    assert (cc.metrics.blend_hits, cc.metrics.blend_misses) == (2, 2)
+    for t in range(b.layout.context_len):
+        assert device.kv[device.slot(second.block_ids, t)] == naive_kv(b, t), t
+    cc.pool.check_invariants()
+
+
+def test_isolated_and_blend_entries_never_satisfy_each_other():
+    a = make_prompt(0, [5, 6])  # empty sys: an isolated chunk is computed alone too, and still not shared
+    device, cc = BlendDevice(), blend_cache()
+    cc.materialize([scheduled(a, None)], device)
+    cc.materialize([scheduled(a, RecomputePolicy("none"), first_block=20)], device)
+    cc.materialize([scheduled(a, None, first_block=40)], device)
+    m = cc.metrics
+    assert (m.misses, m.hits, m.blend_misses, m.blend_hits) == (4, 2, 2, 0)
+
+
+def test_full_recompute_gives_every_chunk_token_fresh_kv_in_one_run():
+    a = make_prompt(3, [5, 6])
+    device, cc = BlendDevice(), blend_cache()
+    prompt = scheduled(a, RecomputePolicy("cacheblend", 1.0))
+    cc.materialize([prompt], device)
+    assert device.calls[-1] == (None, [(3, 14)])
+    for t in range(a.layout.context_len):
+        assert device.kv[device.slot(prompt.block_ids, t)] == fresh_kv(a, t)
+    assert cc.metrics.blend_tokens_recomputed == 11
+
+
+def test_cacheblend_checks_every_chunk_token_then_recomputes_the_top_deviations():
+    a = make_prompt(3, [5, 6])  # chunk tokens 3..13
+    deviations = {4: 2.0, 5: 7.0, 9: 3.0, 12: 5.0}
+    device, cc = BlendDevice(check_keys=deviations), blend_cache(check_layer=2)
+    prompt = scheduled(a, RecomputePolicy("cacheblend", 0.3))
+    cc.materialize([prompt], device)
+    assert math.ceil(0.3 * 11) == 4
+    picked = [4, 5, 9, 12]  # the four largest deviations
+    assert (3, [(3, 14)]) in device.calls, "the check runs layers [0, check_layer] over every chunk token"
+    assert device.calls[-1] == (None, [(4, 6), (9, 10), (12, 13)])
+    for t in range(a.layout.context_len):
+        expected = fresh_kv(a, t) if t in picked else naive_kv(a, t)
+        assert device.kv[device.slot(prompt.block_ids, t)] == expected, t
+    assert (cc.metrics.blend_tokens_checked, cc.metrics.blend_tokens_recomputed) == (11, 4)
+
+
+def test_legolink_recomputes_chunk_starts_within_the_step_range():
+    a = make_prompt(3, [5, 6, 4])  # chunks at 3, 8, 14
+    device, cc = BlendDevice(), blend_cache()
+    policy = RecomputePolicy("legolink", tokens=2)
+    first = scheduled(a, policy, 0, 9)  # chunked prefill: this step fills tokens [0, 9)
+    cc.materialize([first], device)
+    assert device.calls[-1] == (None, [(3, 5), (8, 9)])
+    second = ScheduledPrompt(a, None, 9, a.layout.num_tokens, first.block_ids, policy)
+    cc.materialize([second], device)
+    assert device.calls[-1] == (None, [(9, 10), (14, 16)])  # chunk 2's second token fell in this step
+    for t in range(a.layout.context_len):
+        expected = fresh_kv(a, t) if t in (3, 4, 8, 9, 14, 15) else naive_kv(a, t)
+        assert device.kv[device.slot(first.block_ids, t)] == expected, t
+
+
+def test_recompute_forwards_respect_the_token_budget():
+    a = make_prompt(3, [5, 6])
+    device = BlendDevice()
+    prompt = scheduled(a, RecomputePolicy("cacheblend", 1.0))
+    blend.recompute([prompt], device, check_layer=1, budget=4, block_size=BS, metrics=CacheMetrics())
+    assert [c[1] for c in device.calls] == [[(3, 7)], [(7, 11)], [(11, 14)]]

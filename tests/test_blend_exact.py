@@ -1,0 +1,159 @@
+"""Blend mode through the engine against independent HF references (DESIGN.md §2, blend).
+
+Recomputing every chunk token must equal HF's plain causal forward (full prefill), recomputing none
+must equal naive reuse (HF prefilling each chunk alone at the positions where it lands, so no
+rotation of ours is involved), both for first requests (misses), repeats and reordered chunks behind
+a system prompt the chunks were never cached with. The same session engine as the isolated-mode
+tests (``gc_llm``: 256 tokens per step, prefix caching on, templates) serves both modes at once.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from exactness import (LIMITS, TextSource, assert_matches_oracle, assert_matches_reference, blend_reference,
+                       sampling, text_sources)
+from graphchunk.frontend import BOUNDARIES_ARG
+from graphchunk.llm import RagPrompt
+from graphchunk.segments import split_at
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_oracle_thread")]
+
+BLEND_FULL = {"graphchunk_mode": "blend", "graphchunk_recompute": "cacheblend", "graphchunk_recompute_ratio": 1.0}
+BLEND_NONE = {"graphchunk_mode": "blend", "graphchunk_recompute": "none"}
+ISOLATED = {"graphchunk_mode": "isolated"}
+COUNTERS = ("lookups", "hits", "misses", "blend_lookups", "blend_hits", "blend_misses", "blend_tokens_recomputed",
+            "blend_tokens_checked")
+
+
+@pytest.fixture(scope="module")
+def text(paragraphs, tokenizer):
+    sources = text_sources(paragraphs, tokenizer)  # no other engine module reads sources 14 and 15
+    return TextSource(sources(14).paragraphs + sources(15).paragraphs, tokenizer)
+
+
+@pytest.fixture(scope="module")
+def docs(text):
+    """Chunks of 20-220 tokens: prompts of 3-4 of them exceed a step's 256 tokens (chunked prefill)."""
+    return [text.text(n) for n in (60, 220, 35, 140, 90, 20, 180, 75, 50, 110, 30, 160)]
+
+
+def generate(llm, prompts, extra):
+    """(outputs, segmentations, counter deltas) for RagPrompts sent with ``extra`` args each."""
+    prompts = [RagPrompt(p.sys, p.chunks, p.question, extra={**p.extra, **extra}) for p in prompts]
+    before = llm.stats()
+    outputs = llm.generate(prompts, sampling())
+    after = llm.stats()
+    segs = [split_at(*llm.encode(p), **LIMITS) for p in prompts]
+    return outputs, segs, {name: after[name] - before[name] for name in COUNTERS}
+
+
+def check(outputs, segs, oracle, kind):
+    for output, seg in zip(outputs, segs):
+        assert_matches_reference(output, blend_reference(oracle, seg, kind), f"{kind}: layout {seg.layout}")
+
+
+def test_full_recompute_equals_causal_oracle(gc_llm, oracle, docs, text):
+    """First requests (every chunk misses), then the same chunks reordered behind a sys prompt not
+    seen before (every chunk hits: blend keys have no sys) — all equal full prefill."""
+    prompts = [RagPrompt(text.text(12), docs[0:3], text.question(10)),
+               RagPrompt("", docs[3:5], text.question(8))]
+    outputs, segs, delta = generate(gc_llm, prompts, BLEND_FULL)
+    check(outputs, segs, oracle, "causal")
+    assert delta["blend_misses"] == 5 and delta["blend_hits"] == delta["lookups"] - 5
+    reordered = [RagPrompt(text.text(20), [docs[4], docs[2], docs[0], docs[3]], text.question(9))]
+    outputs, segs, delta = generate(gc_llm, reordered, BLEND_FULL)
+    check(outputs, segs, oracle, "causal")
+    assert delta["blend_misses"] == 0 and delta["blend_hits"] >= 4
+    assert delta["blend_tokens_recomputed"] == sum(segs[0].layout.chunk_lens)
+
+
+def test_no_recompute_equals_naive_reuse(gc_llm, oracle, docs, text):
+    sys = text.text(15)
+    first = [RagPrompt(sys, docs[5:8], text.question(10))]
+    outputs, segs, delta = generate(gc_llm, first, BLEND_NONE)
+    check(outputs, segs, oracle, "naive")
+    assert delta["blend_misses"] == 3 and delta["blend_tokens_recomputed"] == 0
+    reordered = [RagPrompt(text.text(7), [docs[7], docs[5], docs[6]], first[0].question)]
+    outputs, segs, delta = generate(gc_llm, reordered, {**BLEND_NONE, "graphchunk_recompute": "cacheblend",
+                                                        "graphchunk_recompute_ratio": 0.0})
+    check(outputs, segs, oracle, "naive")
+    assert delta["blend_misses"] == 0
+    # The references differ, so the two checks above could not both pass with one wrong mode.
+    causal, naive = (blend_reference(oracle, segs[0], kind) for kind in ("causal", "naive"))
+    assert (causal.logprobs[0] - naive.logprobs[0]).abs().max() > 0.05
+
+
+def test_legolink_covering_every_token_equals_causal(gc_llm, oracle, docs, text):
+    """LegoLink with k at least every chunk's length recomputes every chunk token."""
+    prompts = [RagPrompt(text.text(10), [docs[8], docs[9]], text.question(8))]
+    outputs, segs, delta = generate(gc_llm, prompts, {"graphchunk_mode": "blend", "graphchunk_recompute": "legolink",
+                                                      "graphchunk_recompute_tokens": 512})
+    check(outputs, segs, oracle, "causal")
+    assert delta["blend_tokens_recomputed"] == sum(segs[0].layout.chunk_lens)
+
+
+def test_cacheblend_counts(gc_llm, docs, text):
+    """A prompt filled in one step: every chunk token through the check layers, ceil(r n) recomputed."""
+    prompts = [RagPrompt(text.text(5), [docs[10], docs[5]], text.question(6))]
+    _, segs, delta = generate(gc_llm, prompts, {"graphchunk_mode": "blend", "graphchunk_recompute": "cacheblend",
+                                                "graphchunk_recompute_ratio": 0.3})
+    n = sum(segs[0].layout.chunk_lens)
+    assert segs[0].layout.num_tokens <= 256
+    assert delta["blend_tokens_checked"] == n
+    assert delta["blend_tokens_recomputed"] == math.ceil(0.3 * n)
+
+
+def test_modes_never_share_entries_or_prefix_cache(gc_llm, oracle, docs, text):
+    """One token sequence in isolated mode, blend (full, none) and as an ordinary prompt, with
+    vLLM's prefix cache on: each equals its own reference, and blend lookups never hit isolated
+    entries (nor the reverse)."""
+    prompt = RagPrompt(text.text(20), [text.text(80), text.text(45)], text.question(8))
+    outputs, segs, delta = generate(gc_llm, [prompt], ISOLATED)
+    assert_matches_oracle(outputs[0], segs[0], oracle)
+    assert delta["blend_lookups"] == 0
+    outputs, segs, delta = generate(gc_llm, [prompt], BLEND_FULL)
+    check(outputs, segs, oracle, "causal")
+    assert delta["blend_misses"] == 2  # the isolated entries of the same chunks do not count
+    outputs, segs, delta = generate(gc_llm, [prompt], BLEND_NONE)
+    check(outputs, segs, oracle, "naive")
+    assert delta["blend_misses"] == 0
+    ids, _ = gc_llm.encode(prompt)
+    ordinary = gc_llm.generate([{"prompt_token_ids": ids}], sampling())
+    assert_matches_reference(ordinary[0], blend_reference(oracle, split_at(ids, [0], **LIMITS), "causal"))
+    outputs, segs, delta = generate(gc_llm, [prompt], ISOLATED)
+    assert_matches_oracle(outputs[0], segs[0], oracle)
+    assert delta["misses"] == 0 and delta["blend_lookups"] == 0
+
+
+def test_mixed_batch_and_cache_salt(gc_llm, oracle, docs, text):
+    """Blend, isolated and ordinary requests in one step; a chunk two blend requests share is
+    computed once; another cache_salt shares nothing."""
+    shared, first, second = text.text(70), text.text(40), text.text(55)
+    sys = text.text(9)
+    prompts = [RagPrompt(sys, [shared, first], text.question(6), extra=BLEND_FULL),
+               RagPrompt(text.text(11), [second, shared], text.question(7), extra=BLEND_FULL),
+               RagPrompt(sys, [shared, docs[3]], text.question(5), extra=ISOLATED)]
+    before = gc_llm.stats()
+    ordinary_ids = gc_llm.encode(RagPrompt(sys, [docs[4]], text.question(5)))[0]
+    outputs = gc_llm.generate([*prompts, {"prompt_token_ids": ordinary_ids}], sampling())
+    after = gc_llm.stats()
+    segs = [split_at(*gc_llm.encode(p), **LIMITS) for p in prompts]
+    check(outputs[:2], segs[:2], oracle, "causal")
+    assert_matches_oracle(outputs[2], segs[2], oracle)
+    assert_matches_reference(outputs[3], blend_reference(oracle, split_at(ordinary_ids, [0], **LIMITS), "causal"))
+    assert after["blend_misses"] - before["blend_misses"] == 3  # `shared` computed once
+
+    def salted(salt):
+        ids, boundaries = gc_llm.encode(prompts[0])
+        params = sampling()
+        params.extra_args = {BOUNDARIES_ARG: boundaries, **BLEND_FULL}
+        return {"prompt_token_ids": ids, "cache_salt": salt}, params
+
+    for salt, misses in (("tenant-a", 2), ("tenant-b", 2), ("tenant-a", 0)):
+        before = gc_llm.stats()
+        prompt, params = salted(salt)
+        output = gc_llm.llm.generate([prompt], params)[0]
+        assert gc_llm.stats()["blend_misses"] - before["blend_misses"] == misses, salt
+        assert_matches_reference(output, blend_reference(oracle, segs[0], "causal"))
