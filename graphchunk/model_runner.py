@@ -10,7 +10,9 @@ Mixed into the platform's runner class (``chunk_runner_class``); per step:
                    batch and rewrites RoPE positions of question and generated tokens (§2);
 ``_determine_batch_execution_and_padding`` / ``_model_forward``
                    pad a step whose requests compute only their question over cached context to
-                   its bucket and replay the bucket's graph template (``templates.py``).
+                   its bucket and replay the bucket's graph template (``runner_templates.py``).
+
+The runner is also the plans' ``KVDevice`` (``runner_device.py``).
 
 Slot mapping follows the logical index and was computed by vLLM before the rewrite.
 """
@@ -33,6 +35,7 @@ from graphchunk.metrics import METRICS_FILE_ENV, CacheMetrics, MetricsPublisher
 from graphchunk.pool import ChunkPool
 from graphchunk.rope import KeyRotation
 from graphchunk.runner_device import KVDeviceMixin, decoder_stack
+from graphchunk.runner_templates import TemplateHooksMixin
 from graphchunk.segments import SegmentedPrompt, split_at
 from graphchunk.templates import GraphTemplates
 
@@ -40,7 +43,7 @@ logger = logging.getLogger("graphchunk")
 
 
 
-class ChunkRunnerMixin(KVDeviceMixin):
+class ChunkRunnerMixin(KVDeviceMixin, TemplateHooksMixin):
     """Methods added to a vLLM v1 GPUModelRunner subclass; ``graphchunk_setup`` initialises them."""
 
     def graphchunk_setup(self, config: GraphChunkConfig) -> None:
@@ -218,41 +221,6 @@ class ChunkRunnerMixin(KVDeviceMixin):
                 continue
             first = begin + max(0, layout.context_len - int(batch.num_computed_tokens_cpu[index]))
             self.positions[first:end] += layout.position_offset
-
-    # --- graph templates -------------------------------------------------------------------------
-
-    def graphchunk_capture_templates(self) -> None:
-        """Captures every bucket of the grid over vLLM's persistent input buffers (before any request)."""
-        if self.gc_templates is None:
-            return
-        from vllm.forward_context import set_forward_context
-
-        def inputs_for(bucket: Bucket) -> dict:
-            n = bucket.num_tokens
-            self.input_ids.gpu[:n] = 0
-            self.positions[:n] = 0
-            return dict(input_ids=self.input_ids.gpu[:n], positions=self.positions[:n],
-                        intermediate_tensors=None, inputs_embeds=None)
-
-        def context_for(bucket: Bucket):  # no attention metadata: attention and KV writes are skipped
-            return set_forward_context(None, self.vllm_config, num_tokens=bucket.num_tokens, slot_mapping={})
-
-        with torch.inference_mode():
-            self.gc_templates.capture_all(self.model, inputs_for, context_for, self.device)
-        if self.gc_publisher is not None:
-            self.gc_publisher.publish(self.gc_metrics)
-
-    def _determine_batch_execution_and_padding(self, *args, **kwargs):
-        result = super()._determine_batch_execution_and_padding(*args, **kwargs)
-        if self.gc_bucket is None:
-            return result
-        mode, batch_desc, *rest = result
-        return (mode, dataclasses.replace(batch_desc, num_tokens=self.gc_bucket.num_tokens), *rest)
-
-    def _model_forward(self, **inputs):
-        bucket, self.gc_bucket = self.gc_bucket, None
-        eager = super()._model_forward
-        return eager(**inputs) if bucket is None else self.gc_templates.replay(bucket, eager, **inputs)
 
     def graphchunk_stats(self) -> dict[str, float]:
         return self.gc_metrics.snapshot()

@@ -17,16 +17,17 @@ from graphchunk.keys import KeySpace
 from graphchunk.metrics import CacheMetrics
 from graphchunk.pool import ChunkPool
 from graphchunk.segments import split_at
-from test_chunk_cache import BS, make_prompt, request_blocks
+from test_chunk_cache import BS, FakeDevice, make_prompt, request_blocks
 
 
-class BlendDevice:
+class BlendDevice(FakeDevice):
+    """FakeDevice whose forwards do not insist on exact causal prefixes (blend reuses approximate
+    KV), record their calls, and whose check forwards (``num_layers``) write the given K."""
+
     def __init__(self, check_keys=None):
-        self.kv, self.keys, self.calls = {}, {}, []
+        super().__init__()
+        self.keys, self.calls = {}, []
         self.check_keys = check_keys or {}  # logical token -> K a check forward writes there
-
-    def slot(self, block_ids, i):
-        return block_ids[i // BS] * BS + i % BS
 
     def forward(self, seqs, num_layers=None):
         self.calls.append((num_layers, [(s.num_cached, len(s.token_ids)) for s in seqs]))
@@ -37,16 +38,6 @@ class BlendDevice:
                     self.kv[slot] = (tuple(seq.token_ids[: i + 1]), int(seq.positions[i]))
                 else:
                     self.keys[slot] = self.check_keys.get(i, 0.0)
-
-    def copy_blocks(self, src, dst):
-        for s, d in zip(src, dst):
-            for o in range(BS):
-                if s * BS + o in self.kv:
-                    self.kv[d * BS + o] = self.kv[s * BS + o]
-
-    def copy_slots(self, src, dst):
-        for s, d in zip(src.tolist(), dst.tolist()):
-            self.kv[d] = self.kv[s]
 
     def copy_slots_rotated(self, src, dst, deltas):
         for s, d, delta in zip(src.tolist(), dst.tolist(), deltas.tolist()):

@@ -157,3 +157,14 @@ def test_mixed_batch_and_cache_salt(gc_llm, oracle, docs, text):
         output = gc_llm.llm.generate([prompt], params)[0]
         assert gc_llm.stats()["blend_misses"] - before["blend_misses"] == misses, salt
         assert_matches_reference(output, blend_reference(oracle, segs[0], "causal"))
+
+
+def test_role_hazard_in_blend_mode(gc_llm, oracle, text):
+    """S ## A ## Q, then S ## A ## Q ## B ## Q2 with nothing recomputed: Q was a question (causal
+    KV over S and A), now it is a chunk (KV computed alone). vLLM's prefix cache must not hand the
+    second request the first one's KV for Q (a blend salt covers the whole context)."""
+    sys, a, q, b = text.text(40), text.text(50), text.question(30), text.text(30)
+    outputs, segs, _ = generate(gc_llm, [RagPrompt(sys, [a], q)], BLEND_NONE)
+    check(outputs, segs, oracle, "naive")
+    outputs, segs, _ = generate(gc_llm, [RagPrompt(sys, [a, q, b], text.question(6))], BLEND_NONE)
+    check(outputs, segs, oracle, "naive")

@@ -20,6 +20,11 @@ def write(dtype):
     return write_kv
 
 
+def cpu_slot_map(write_kv, dtype) -> KVSlotMap:
+    return KVSlotMap.probe(write_kv, lambda n: torch.zeros((n, HEADS, BS, 2 * DIM), dtype=dtype),
+                           BS, HEADS, DIM, dtype, "cpu")
+
+
 def layer_caches(dtype, shared: bool):
     shape = (BLOCKS, HEADS, BS, 2 * DIM)
     if shared:  # as vLLM allocates: one buffer, layer-outermost views
@@ -33,8 +38,7 @@ def layer_caches(dtype, shared: bool):
 @pytest.mark.parametrize("strided", [True, False])
 def test_copy_equals_writing_at_the_destination(dtype, shared, strided):
     write_kv = write(dtype)
-    slot_map = KVSlotMap.probe(write_kv, lambda n: torch.zeros((n, HEADS, BS, 2 * DIM), dtype=dtype),
-                               BS, HEADS, DIM, dtype, "cpu")
+    slot_map = cpu_slot_map(write_kv, dtype)
     assert None not in slot_map.strides, "the CPU layout is affine"
     src = np.arange(70) + 1 * BS + 5  # crosses block boundaries at other offsets than dst
     dst = np.concatenate([np.arange(40) + 5 * BS + 17, np.arange(30) + 7 * BS + 1])  # disjoint from src, as pool and request slots are
@@ -58,3 +62,35 @@ def test_runs_split_at_breaks_and_block_edges():
     src = np.array([3, 4, 5, 6, 7, 20, 21])
     dst = np.array([10, 11, 12, 13, 14, 15, 16])
     assert list(_runs(src, dst, 4)) == [(3, 10, 1), (4, 11, 1), (5, 12, 3), (20, 15, 1), (21, 16, 1)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shared", [True, False])
+@pytest.mark.parametrize("strided", [True, False])
+def test_rotated_copy_equals_writing_rotated_keys_at_the_destination(dtype, shared, strided):
+    """Blend mode's copy: K rotated by each slot's delta, V as is, in every layer; read_keys reads
+    back what was written."""
+    from graphchunk.rope import KeyRotation
+
+    write_kv = write(dtype)
+    slot_map = cpu_slot_map(write_kv, dtype)
+    angles = torch.arange(200.0)[:, None] * (1e-2 ** (torch.arange(0, DIM, 2) / DIM))[None]
+    rotation = KeyRotation(torch.cat([angles.cos(), angles.sin()], dim=-1), DIM, is_neox_style=True)
+    src, dst = np.arange(40) + 2 * BS + 3, np.arange(40) + 5 * BS + 9
+    deltas = np.full(40, 137)
+    got, want = layer_caches(dtype, shared), layer_caches(dtype, shared)
+    torch.manual_seed(1)
+    for g, w in zip(got, want):
+        key, value = torch.randn(40, HEADS, DIM).to(dtype), torch.randn(40, HEADS, DIM).to(dtype)
+        write_kv(key, value, g, torch.from_numpy(src))
+        write_kv(key, value, w, torch.from_numpy(src))
+        write_kv(rotation.rotate(key, torch.from_numpy(deltas)), value, w, torch.from_numpy(dst))
+    copier = KVCopier(got, slot_map, BLOCKS)
+    if not strided:
+        copier.views = None
+    copier.copy_slots_rotated(src, dst, deltas, rotation)
+    for layer, (g, w) in enumerate(zip(got, want)):
+        assert torch.equal(g, w), layer
+        written = KVCopier(want, slot_map, BLOCKS)
+        assert torch.equal(copier.read_keys(layer, dst), written.read_keys(layer, dst))
+    assert not torch.equal(copier.read_keys(0, dst), copier.read_keys(0, src)), "the keys did move"

@@ -151,6 +151,23 @@ def test_no_separator_is_an_ordinary_prompt(splitter, tokenizer):
     assert splitter.split(tokenizer(f"{SYS} {DOCS[0]} {QUESTION}").input_ids) is None
 
 
+def test_blend_mode_through_the_server(server, oracle, tokenizer):
+    """Recomputing every chunk token equals full prefill (HF's causal forward); the same documents
+    reordered behind another system prompt hit in blend mode (its keys have no sys)."""
+    before = server.metrics() if _published(server) else {}
+    full = {"graphchunk_mode": "blend", "graphchunk_recompute": "cacheblend", "graphchunk_recompute_ratio": 1.0}
+    prompt_ids, tokens = generated(server, rag_text(DOCS), vllm_xargs=full, ignore_eos=True)
+    assert tokens == oracle.causal_generate(prompt_ids, MAX_TOKENS)[0]
+    after = server.metrics()
+    assert after["graphchunk_blend_misses_total"] - before.get("graphchunk_blend_misses_total", 0) == len(DOCS)
+    other_sys = " ## ".join(["Answer briefly.", *DOCS[::-1], QUESTION])
+    generated(server, other_sys, vllm_xargs={"graphchunk_mode": "blend", "graphchunk_recompute": "legolink"})
+    again = server.metrics()
+    assert again["graphchunk_blend_hits_total"] - after["graphchunk_blend_hits_total"] == len(DOCS)
+    assert again["graphchunk_blend_misses_total"] == after["graphchunk_blend_misses_total"]
+    assert again["graphchunk_blend_tokens_recomputed_total"] > after["graphchunk_blend_tokens_recomputed_total"]
+
+
 # --- bad input: a 4xx naming the problem, and the server keeps serving --------------------------
 
 def _ids(n: int) -> list[int]:
@@ -181,6 +198,19 @@ BAD = {
     "boundaries-empty-question": (dict(prompt=_ids(8), vllm_xargs={"graphchunk_boundaries": [2, 8]}),
                                   "question .* is empty"),
     "prompt-logprobs": (dict(prompt=rag_text(DOCS[:1]), prompt_logprobs=1), "prompt_logprobs"),
+    "mode-unknown": (dict(prompt=rag_text(DOCS[:1]), vllm_xargs={"graphchunk_mode": "fast"}),
+                     r"graphchunk_mode must be one of \('isolated', 'blend'\), got 'fast'"),
+    "recompute-unknown": (dict(prompt=rag_text(DOCS[:1]), vllm_xargs={"graphchunk_mode": "blend",
+                                                                       "graphchunk_recompute": "all"}),
+                          "graphchunk_recompute must be one of"),
+    "ratio-out-of-range": (dict(prompt=rag_text(DOCS[:1]), vllm_xargs={"graphchunk_mode": "blend",
+                                                                        "graphchunk_recompute_ratio": 1.5}),
+                           r"graphchunk_recompute_ratio must be a number in \[0, 1\], got 1.5"),
+    "ratio-boolean": (dict(prompt=rag_text(DOCS[:1]), vllm_xargs={"graphchunk_mode": "blend",
+                                                                   "graphchunk_recompute_ratio": True}),
+                      "JSON booleans are not accepted"),
+    "recompute-in-isolated-mode": (dict(prompt=rag_text(DOCS[:1]), vllm_xargs={"graphchunk_recompute_tokens": 4}),
+                                   "only apply to blend mode"),
 }
 
 
