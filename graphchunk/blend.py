@@ -32,7 +32,7 @@ POLICIES = ("none", "cacheblend", "legolink")
 
 @dataclass(frozen=True)
 class RecomputePolicy:
-    name: str = "cacheblend"
+    name: str = "legolink"
     ratio: float = 0.15
     """cacheblend: share of chunk tokens recomputed through every layer, in [0, 1]."""
     tokens: int = 4

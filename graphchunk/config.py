@@ -30,8 +30,9 @@ class GraphChunkConfig:
     mode: str = "isolated"
     """Default mode of segmented requests: 'isolated' (exact, DESIGN.md §2) or 'blend' (approximate
     reuse behind any sys prompt at any offset); a request may override it (``graphchunk_mode``)."""
-    recompute: str = "cacheblend"
-    """Blend mode's default recompute policy: 'none', 'cacheblend' or 'legolink' (``blend.py``)."""
+    recompute: str = "legolink"
+    """Blend mode's default recompute policy: 'none', 'cacheblend' or 'legolink' (``blend.py``);
+    LegoLink k=4 is the README's recommendation from perf/results/blend_quality.json."""
     recompute_ratio: float = 0.15
     """cacheblend: share of chunk tokens recomputed through every layer, in [0, 1]."""
     recompute_tokens: int = 4

@@ -6,16 +6,17 @@ Computations that share nothing with graphchunk's serving path except ``Layout``
 - isolated mode, the incremental form: every chunk prefilled as its own ``sys ‖ chunk`` sequence
   with ordinary causal attention, the KV concatenated, and the question run over it;
 - blend mode's target: the plain causal forward (``causal_generate``, no mask, positions [0, N));
-- blend mode without recomputation (``naive_reuse_generate``): sys prefilled causally, every
-  chunk prefilled alone directly at the positions where it lands (no rotation involved: HF
-  rotates at those positions itself), the KV concatenated, the question and the generated
-  tokens run over it at ordinary positions.
+- blend mode with a given set of recomputed chunk tokens (``blend_generate``; none: naive reuse):
+  sys prefilled causally, every chunk prefilled alone directly at the positions where it lands
+  (no rotation involved: HF rotates at those positions itself), the recomputed tokens and the
+  question run over that KV with an explicit mask, generated tokens at ordinary positions.
 """
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -99,20 +100,43 @@ class Oracle:
         return self._greedy(out, cache, len(token_ids), max_new_tokens)
 
     @torch.inference_mode()
+    def blend_generate(self, token_ids: list[int], layout: Layout, recomputed: Sequence[int],
+                       max_new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
+        """Blend mode with the chunk tokens ``recomputed`` given fresh KV (empty: naive reuse).
+
+        Every other chunk token's KV is computed alone at the positions where its chunk lands
+        (HF rotates at those positions itself), sys causally at [0, S). The recomputed tokens and
+        the question then run as one forward over that cache with an explicit mask "every token at
+        a smaller or equal position": per layer each of them writes its fresh KV and attends to the
+        reused KV before it and to the fresh KV of the recomputed tokens before it — what
+        recomputing them under full causal attention means. Generated tokens follow at ordinary
+        positions."""
+        _check_length(token_ids, layout)
+        fresh = sorted(set(int(t) for t in recomputed))
+        if any(not layout.sys_len <= t < layout.context_len for t in fresh):
+            raise ValueError("only chunk tokens can be recomputed")
+        parts, kept = [], []
+        if layout.sys_len:
+            parts.append(self._causal_kv(token_ids[:layout.sys_len]))
+            kept += range(layout.sys_len)
+        for start, n in zip(layout.chunk_starts(), layout.chunk_lens):
+            keep = [t for t in range(start, start + n) if t not in set(fresh)]
+            kv = self._causal_kv(token_ids[start:start + n], first_position=start)
+            parts.append([tuple(x[:, :, [t - start for t in keep]] for x in layer) for layer in kv])
+            kept += keep
+        layers = [tuple(torch.cat([part[layer][which] for part in parts], dim=2) for which in (0, 1))
+                  for layer in range(len(parts[0]))]
+        cache = transformers.DynamicCache(layers, config=self.model.config)
+        new = np.array(fresh + list(range(layout.context_len, layout.num_tokens)), dtype=np.int64)
+        keys = np.concatenate([np.array(kept, dtype=np.int64), new])
+        out = self._forward([token_ids[t] for t in new], new, keys[None, :] <= new[:, None], cache)
+        return self._greedy(out, cache, layout.num_tokens, max_new_tokens)
+
     def naive_reuse_generate(self, token_ids: list[int], layout: Layout,
                              max_new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
         """Blend mode with nothing recomputed: each chunk's KV computed alone at its own ordinary
         positions [P, P + L); sys causal at [0, S); question and generated tokens over all of it."""
-        _check_length(token_ids, layout)
-        parts = [self._causal_kv(token_ids[:layout.sys_len])] if layout.sys_len else []
-        for start, n in zip(layout.chunk_starts(), layout.chunk_lens):
-            parts.append(self._causal_kv(token_ids[start:start + n], first_position=start))
-        layers = [tuple(torch.cat([part[layer][which] for part in parts], dim=2) for which in (0, 1))
-                  for layer in range(len(parts[0]))]
-        cache = transformers.DynamicCache(layers, config=self.model.config)
-        question = slice(layout.context_len, layout.num_tokens)
-        out = self._forward(token_ids[question], np.arange(layout.context_len, layout.num_tokens), None, cache)
-        return self._greedy(out, cache, layout.num_tokens, max_new_tokens)
+        return self.blend_generate(token_ids, layout, (), max_new_tokens)
 
     def _greedy(self, out, cache, next_position: int, max_new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
         tokens, logprobs = [], []

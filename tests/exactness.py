@@ -105,14 +105,20 @@ def reference(oracle, seg: SegmentedPrompt, max_tokens: int) -> Reference:
 
 
 def blend_reference(oracle, seg: SegmentedPrompt, kind: str, max_tokens: int = MAX_TOKENS) -> Reference:
-    """Blend mode's references: "causal" (full prefill, what recomputing 100 % must give) or
-    "naive" (each chunk alone at its own positions, nothing recomputed)."""
+    """Blend mode's references: "causal" (full prefill, what recomputing 100 % must give), "naive"
+    (each chunk alone at its own positions, nothing recomputed) or "legolink:K" (the first K
+    tokens of every chunk recomputed)."""
     key = (kind, seg.token_ids, seg.layout, max_tokens)
     if key not in REFERENCES:
         if kind == "causal":
             tokens, logprobs = oracle.causal_generate(list(seg.token_ids), max_tokens)
-        else:
+        elif kind == "naive":
             tokens, logprobs = oracle.naive_reuse_generate(list(seg.token_ids), seg.layout, max_tokens)
+        else:
+            k = int(kind.removeprefix("legolink:"))
+            firsts = [t for start, n in zip(seg.layout.chunk_starts(), seg.layout.chunk_lens)
+                      for t in range(start, start + min(k, n))]
+            tokens, logprobs = oracle.blend_generate(list(seg.token_ids), seg.layout, firsts, max_tokens)
         REFERENCES[key] = Reference(tokens, logprobs)
     return REFERENCES[key]
 

@@ -12,7 +12,7 @@ import math
 
 import pytest
 
-from exactness import (LIMITS, TextSource, assert_matches_oracle, assert_matches_reference, blend_reference,
+from exactness import (FIRST_TOKEN_TOL, LIMITS, LOGPROB_TOL, MEASURED, TextSource, assert_matches_oracle, assert_matches_reference, blend_reference,
                        sampling, text_sources)
 from graphchunk.frontend import BOUNDARIES_ARG
 from graphchunk.llm import RagPrompt
@@ -25,6 +25,15 @@ BLEND_NONE = {"graphchunk_mode": "blend", "graphchunk_recompute": "none"}
 ISOLATED = {"graphchunk_mode": "isolated"}
 COUNTERS = ("lookups", "hits", "misses", "blend_lookups", "blend_hits", "blend_misses", "blend_tokens_recomputed",
             "blend_tokens_checked")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def measured():
+    """This module's largest differences (the isolated-mode modules keep their own)."""
+    saved = dict(MEASURED)
+    MEASURED.update({"first token": 0.0, "all tokens": 0.0, "compared": 0})
+    yield MEASURED
+    MEASURED.update(saved)
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +101,20 @@ def test_legolink_covering_every_token_equals_causal(gc_llm, oracle, docs, text)
                                                       "graphchunk_recompute_tokens": 512})
     check(outputs, segs, oracle, "causal")
     assert delta["blend_tokens_recomputed"] == sum(segs[0].layout.chunk_lens)
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_legolink_equals_recomputing_chunk_starts_in_hf(gc_llm, oracle, docs, text, k):
+    """LegoLink's first k tokens of every chunk, in one step and across chunked-prefill steps,
+    against HF running exactly those tokens and the question over the reused KV (an explicit
+    "earlier position" mask): the recomputed runs see each other's fresh KV as they must."""
+    prompts = [RagPrompt(text.text(10), [docs[1], docs[3], docs[6]], text.question(7)),  # > 256 tokens
+               RagPrompt("", [docs[5], docs[9], docs[10]], text.question(9))]
+    outputs, segs, delta = generate(gc_llm, prompts, {"graphchunk_mode": "blend", "graphchunk_recompute": "legolink",
+                                                      "graphchunk_recompute_tokens": k})
+    assert segs[0].layout.num_tokens > 256 >= segs[1].layout.num_tokens
+    check(outputs, segs, oracle, f"legolink:{k}")
+    assert delta["blend_tokens_recomputed"] == 6 * k
 
 
 def test_cacheblend_counts(gc_llm, docs, text):
@@ -168,3 +191,10 @@ def test_role_hazard_in_blend_mode(gc_llm, oracle, text):
     check(outputs, segs, oracle, "naive")
     outputs, segs, _ = generate(gc_llm, [RagPrompt(sys, [a, q, b], text.question(6))], BLEND_NONE)
     check(outputs, segs, oracle, "naive")
+
+
+def test_report_measured(measured):
+    """Prints the largest logprob differences measured in this module (run with -s)."""
+    print(f"\nblend: logprob max-abs diff vs HF references: first token {measured['first token']:.2e}, "
+          f"all tokens {measured['all tokens']:.2e} over {measured['compared']} generated tokens; "
+          f"tolerances {FIRST_TOKEN_TOL:.0e} / {LOGPROB_TOL:.0e}")

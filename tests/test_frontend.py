@@ -107,8 +107,8 @@ BLEND_CONFIG = GraphChunkConfig(max_chunks=4, max_chunk_len=64, mode="blend", re
     (None, {}, {MODE_ARG: "isolated"}),
     (None, {MODE_ARG: "isolated"}, {MODE_ARG: "isolated"}),
     (None, {MODE_ARG: "blend"},
-     {MODE_ARG: "blend", RECOMPUTE_ARG: "cacheblend", RATIO_ARG: 0.15, TOKENS_ARG: 4}),
-    (None, {MODE_ARG: "blend", RATIO_ARG: 1},
+     {MODE_ARG: "blend", RECOMPUTE_ARG: "legolink", RATIO_ARG: 0.15, TOKENS_ARG: 4}),
+    (None, {MODE_ARG: "blend", RECOMPUTE_ARG: "cacheblend", RATIO_ARG: 1},
      {MODE_ARG: "blend", RECOMPUTE_ARG: "cacheblend", RATIO_ARG: 1.0, TOKENS_ARG: 4}),
     (None, {MODE_ARG: "blend", RECOMPUTE_ARG: "legolink", TOKENS_ARG: 2},
      {MODE_ARG: "blend", RECOMPUTE_ARG: "legolink", RATIO_ARG: 0.15, TOKENS_ARG: 2}),
@@ -174,13 +174,14 @@ def test_blend_salt_follows_context_and_policy(tokenizer):
     assert blend.startswith("tenant|graphchunk:") and blend != isolated
     # Identical requests (defaults resolved or spelled out) share it: prefix-cache hits stay possible.
     assert annotated(tokenizer, **{MODE_ARG: "blend"}).cache_salt == blend
-    assert annotated(tokenizer, **{MODE_ARG: "blend", RECOMPUTE_ARG: "cacheblend", RATIO_ARG: 0.15}).cache_salt == blend
-    assert annotated(tokenizer, **{MODE_ARG: "blend", RATIO_ARG: 1}).cache_salt == \
-        annotated(tokenizer, **{MODE_ARG: "blend", RATIO_ARG: 1.0}).cache_salt
+    assert annotated(tokenizer, **{MODE_ARG: "blend", RECOMPUTE_ARG: "legolink", TOKENS_ARG: 4}).cache_salt == blend
+    cacheblend = {MODE_ARG: "blend", RECOMPUTE_ARG: "cacheblend"}
+    assert annotated(tokenizer, **cacheblend, **{RATIO_ARG: 1}).cache_salt == \
+        annotated(tokenizer, **cacheblend, **{RATIO_ARG: 1.0}).cache_salt
     # Another policy, or another parameter of the policy in use.
     others = [annotated(tokenizer, **{MODE_ARG: "blend", **extra}).cache_salt for extra in (
-        {RATIO_ARG: 0.5}, {RECOMPUTE_ARG: "none"}, {RECOMPUTE_ARG: "legolink"},
-        {RECOMPUTE_ARG: "legolink", TOKENS_ARG: 8})]
+        {RECOMPUTE_ARG: "cacheblend"}, {RECOMPUTE_ARG: "cacheblend", RATIO_ARG: 0.5}, {RECOMPUTE_ARG: "none"},
+        {TOKENS_ARG: 8})]
     assert len({blend, isolated, *others}) == 6
     # One context token changed, anywhere in the context (here: the last chunk, after sys and
     # the first chunk, whose blocks a CacheBlend step's selection still depends on).
