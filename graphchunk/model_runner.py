@@ -93,17 +93,13 @@ class ChunkRunnerMixin(KVDeviceMixin, TemplateHooksMixin):
                     pool.num_blocks * pool.block_size, first_pool_block, first_pool_block + pool.num_blocks)
 
     def _bind_blend(self) -> None:
-        """Blend mode needs keys it can move (``rope.py``) and, for CacheBlend, a decoder whose layer
-        range can be narrowed. A model without them refuses blend: at start-up when blend is the
-        default mode, per request otherwise (the frontend checks the same, see ``blend_refusal``)."""
-        self.gc_rotation, self.gc_blend_refusal = None, None
+        """Blend mode needs keys it can move (``rope.py``); CacheBlend also a decoder whose layer
+        range can be narrowed. Without them blend is refused at start-up when it is the default
+        mode; the API process refuses blend requests from the model's config (``hf_rope_refusal``),
+        and a blend request that still arrives here runs as a full prefill — exactly blend's target."""
+        self.gc_rotation = self.gc_blend_refusal = self.gc_check_refusal = None
         try:
             self.gc_rotation = KeyRotation.from_model(self.model)
-            decoder = decoder_stack(self.model)
-            num_layers = decoder.end_layer - decoder.start_layer
-            if self.gc_config.check_layer >= num_layers:
-                raise ConfigError(f"graphchunk.check_layer={self.gc_config.check_layer} must be below the "
-                                  f"model's {num_layers} layers")
             if self.gc_rotation.max_delta + 1 < self.model_config.max_model_len:
                 raise ConfigError(f"the rotary cache holds {self.gc_rotation.max_delta + 1} positions, fewer than "
                                   f"max_model_len={self.model_config.max_model_len}")
@@ -111,7 +107,18 @@ class ChunkRunnerMixin(KVDeviceMixin, TemplateHooksMixin):
             self.gc_rotation, self.gc_blend_refusal = None, str(exc)
             if self.gc_config.mode == "blend":
                 raise
-            logger.warning("graphchunk: blend mode unavailable: %s", exc)
+            logger.warning("graphchunk: blend mode unavailable for this model (full prefill instead): %s", exc)
+        try:
+            decoder = decoder_stack(self.model)
+            num_layers = decoder.end_layer - decoder.start_layer
+            if self.gc_config.check_layer >= num_layers:
+                raise ConfigError(f"graphchunk.check_layer={self.gc_config.check_layer} must be below the "
+                                  f"model's {num_layers} layers")
+        except ConfigError as exc:
+            self.gc_check_refusal = str(exc)
+            if self.gc_config.mode == "blend" and self.gc_config.policy.needs_check:
+                raise
+            logger.warning("graphchunk: CacheBlend unavailable (full prefill instead): %s", exc)
 
     def _probe_kv_layout(self, layer, spec) -> KVSlotMap:
         kv = layer.kv_cache
@@ -151,18 +158,23 @@ class ChunkRunnerMixin(KVDeviceMixin, TemplateHooksMixin):
             return
         seg = split_at(new_req.prompt_token_ids, boundaries, max_chunks=self.gc_config.max_chunks,
                        max_chunk_len=self.gc_config.max_chunk_len)
-        if seg.layout.num_chunks:
-            self.gc_prompts[new_req.req_id] = (seg, args.get(SALT_ARG), self._policy(args))
+        if not seg.layout.num_chunks:
+            return
+        policy = None
+        if args.get(MODE_ARG, self.gc_config.mode) == "blend":
+            policy = self._blend_policy(args)
+            if policy is None:  # an ordinary prompt: vLLM computes the full prefill
+                return
+        self.gc_prompts[new_req.req_id] = (seg, args.get(SALT_ARG), policy)
 
-    def _policy(self, args: dict) -> RecomputePolicy | None:
-        """Blend mode's recompute policy as the frontend resolved it (None: isolated)."""
+    def _blend_policy(self, args: dict) -> RecomputePolicy | None:
+        """The recompute policy the frontend resolved; None when this model cannot blend."""
         config = self.gc_config
-        if args.get(MODE_ARG, config.mode) != "blend":
+        policy = RecomputePolicy(args.get(RECOMPUTE_ARG, config.recompute), args.get(RATIO_ARG, config.recompute_ratio),
+                                 args.get(TOKENS_ARG, config.recompute_tokens))
+        if self.gc_rotation is None or (policy.needs_check and self.gc_check_refusal):
             return None
-        if self.gc_rotation is None:
-            raise ConfigError(f"graphchunk blend mode is not available for this model: {self.gc_blend_refusal}")
-        return RecomputePolicy(args.get(RECOMPUTE_ARG, config.recompute), args.get(RATIO_ARG, config.recompute_ratio),
-                               args.get(TOKENS_ARG, config.recompute_tokens))
+        return policy
 
     def _plan_step(self, so):
         computed = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}

@@ -178,3 +178,21 @@ def test_recompute_forwards_respect_the_token_budget():
     prompt = scheduled(a, RecomputePolicy("cacheblend", 1.0))
     blend.recompute([prompt], device, check_layer=1, budget=4, block_size=BS, metrics=CacheMetrics())
     assert [c[1] for c in device.calls] == [[(3, 7)], [(7, 11)], [(11, 14)]]
+
+
+def test_worker_runs_blend_as_full_prefill_where_it_cannot_blend():
+    """A blend request that reaches a worker whose model cannot move keys (or cannot narrow its
+    layers, for CacheBlend) gets no policy: it runs as an ordinary prompt, blend's exact target."""
+    from types import SimpleNamespace
+
+    from graphchunk.config import GraphChunkConfig
+    from graphchunk.model_runner import ChunkRunnerMixin
+
+    args = {"graphchunk_recompute": "cacheblend", "graphchunk_recompute_ratio": 0.3, "graphchunk_recompute_tokens": 4}
+    runner = SimpleNamespace(gc_config=GraphChunkConfig(), gc_rotation=object(), gc_check_refusal=None)
+    assert ChunkRunnerMixin._blend_policy(runner, args) == RecomputePolicy("cacheblend", 0.3, 4)
+    runner.gc_check_refusal = "no layer range"
+    assert ChunkRunnerMixin._blend_policy(runner, args) is None
+    assert ChunkRunnerMixin._blend_policy(runner, {**args, "graphchunk_recompute": "legolink"}) is not None
+    runner.gc_rotation = None
+    assert ChunkRunnerMixin._blend_policy(runner, {**args, "graphchunk_recompute": "legolink"}) is None
