@@ -1,9 +1,10 @@
 """vLLM general plugin (entry point ``vllm.general_plugins``): hooks request processing.
 
-vLLM loads general plugins in every process; this one wraps ``InputProcessor.process_inputs``
-and, for the OpenAI server, ``GenerateBaseServing._with_kv_transfer_rejection_cleanup``
-(each idempotently), and both wrappers act only for engines whose worker is graphchunk's, so
-installing graphchunk changes nothing for other vLLM users.
+vLLM loads general plugins in every process; this one wraps ``InputProcessor.process_inputs``,
+for the OpenAI server ``GenerateBaseServing._with_kv_transfer_rejection_cleanup``, and
+``VllmConfig._get_v2_model_runner_unsupported_features`` (each idempotently), and every wrapper
+acts only for engines whose worker is graphchunk's, so installing graphchunk changes nothing for
+other vLLM users.
 """
 from __future__ import annotations
 
@@ -32,6 +33,33 @@ def register() -> None:
     process_inputs._graphchunk = True
     InputProcessor.process_inputs = process_inputs
     _guard_json_booleans()
+    _select_v1_model_runner()
+
+
+def _select_v1_model_runner() -> None:
+    """vLLM 0.32 runs its V2 model runner whenever Triton imports (every CUDA install), unless the
+    configuration uses a feature V2 lacks; graphchunk's runner extends the V1 runner. A graphchunk
+    engine reports itself as such a feature, so vLLM's own selection picks V1 and logs it once
+    ("Model Runner V2 does not yet support ...; using the V1 model runner instead"); engines with
+    other workers keep V2, and ``VLLM_USE_V2_MODEL_RUNNER=1`` still forces V2 (the worker then
+    refuses to start, ``worker.check_config``). ``VllmConfig.use_v2_model_runner`` is read in the
+    API process and in every worker alike: all of them load this plugin before building a config."""
+    from vllm.config import VllmConfig
+
+    from graphchunk.frontend import is_graphchunk_worker
+
+    original = VllmConfig._get_v2_model_runner_unsupported_features
+    if getattr(original, "_graphchunk", False):
+        return
+
+    def unsupported_features(self) -> list[str]:
+        found = original(self)
+        if is_graphchunk_worker(self.parallel_config.worker_cls):
+            found.append("graphchunk's chunk-aware model runner (--worker-cls graphchunk.Runner)")
+        return found
+
+    unsupported_features._graphchunk = True
+    VllmConfig._get_v2_model_runner_unsupported_features = unsupported_features
 
 
 def _guard_json_booleans() -> None:

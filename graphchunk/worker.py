@@ -40,7 +40,9 @@ def platform_worker_class() -> type:
 def check_config(vllm_config, config: GraphChunkConfig) -> None:
     """Start-up checks that would otherwise fail later, inside a step."""
     if getattr(vllm_config, "use_v2_model_runner", False):
-        raise ConfigError("graphchunk needs vLLM's V1 model runner; unset VLLM_USE_V2_MODEL_RUNNER")
+        raise ConfigError("graphchunk needs vLLM's V1 model runner, and this configuration selects V2 "
+                          "(VLLM_USE_V2_MODEL_RUNNER=1, or a feature only V2 has); graphchunk engines select "
+                          "V1 by themselves: unset VLLM_USE_V2_MODEL_RUNNER")
     if vllm_config.parallel_config.pipeline_parallel_size != 1:
         raise ConfigError("graphchunk does not support pipeline parallelism")
     if vllm_config.speculative_config is not None:

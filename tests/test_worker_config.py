@@ -52,3 +52,27 @@ def test_blend_default_refuses_moving_keys_it_cannot(hf_config, reason):
 def test_blend_default_accepts_fixed_rotations(rope_type):
     hf_config = SimpleNamespace(rope_theta=1e4, rope_parameters={"rope_type": rope_type, "factor": 2.0})
     check_config(vllm_config(hf_config=hf_config), GraphChunkConfig(pool_tokens=65536, mode="blend"))
+
+
+def test_graphchunk_engines_select_the_v1_model_runner(monkeypatch):
+    """The selection a CUDA install makes (Triton importable: vLLM 0.32 defaults to its V2 runner),
+    exercised on CPU: a graphchunk engine's config selects V1, another engine's keeps V2, and
+    VLLM_USE_V2_MODEL_RUNNER=1 still forces V2, which the worker then refuses by name."""
+    import vllm.config.vllm as vllm_config_module
+    from vllm import envs
+    from vllm.config import ParallelConfig, VllmConfig
+
+    from graphchunk.plugin import register
+
+    register()
+    monkeypatch.setattr(vllm_config_module, "HAS_TRITON", True)
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    monkeypatch.setattr(envs, "VLLM_USE_V2_MODEL_RUNNER", None, raising=False)
+    graphchunk_engine = VllmConfig(parallel_config=ParallelConfig(worker_cls="graphchunk.Runner"))
+    other_engine = VllmConfig(parallel_config=ParallelConfig(worker_cls="auto"))
+    assert graphchunk_engine.use_v2_model_runner is False
+    assert other_engine.use_v2_model_runner is True
+    monkeypatch.setattr(envs, "VLLM_USE_V2_MODEL_RUNNER", True, raising=False)
+    assert graphchunk_engine.use_v2_model_runner is True
+    with pytest.raises(ConfigError, match="selects V2 .*unset VLLM_USE_V2_MODEL_RUNNER"):
+        check_config(graphchunk_engine, GraphChunkConfig())
