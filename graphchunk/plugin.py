@@ -2,7 +2,8 @@
 
 vLLM loads general plugins in every process; this one wraps ``InputProcessor.process_inputs``,
 for the OpenAI server ``GenerateBaseServing._with_kv_transfer_rejection_cleanup``, and
-``VllmConfig._get_v2_model_runner_unsupported_features`` (each idempotently), and every wrapper
+``VllmConfig._get_v2_model_runner_unsupported_features`` and ``EngineArgs.create_engine_config``
+(each idempotently), and every wrapper
 acts only for engines whose worker is graphchunk's, so installing graphchunk changes nothing for
 other vLLM users.
 """
@@ -34,6 +35,33 @@ def register() -> None:
     InputProcessor.process_inputs = process_inputs
     _guard_json_booleans()
     _select_v1_model_runner()
+    _check_config_before_start()
+
+
+def _check_config_before_start() -> None:
+    """Runs graphchunk's start-up checks (``worker.check_config``) where the engine's config is
+    built, in the user's process: a refused configuration raises ConfigError with its message
+    there, at once, instead of in a worker process whose failure the user sees as "Engine core
+    initialization failed" (the worker checks again; it also serves configs built elsewhere)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from graphchunk.frontend import is_graphchunk_worker
+
+    original = EngineArgs.create_engine_config
+    if getattr(original, "_graphchunk", False):
+        return
+
+    def create_engine_config(self, *args, **kwargs):
+        config = original(self, *args, **kwargs)
+        if is_graphchunk_worker(config.parallel_config.worker_cls):
+            from graphchunk.config import GraphChunkConfig
+            from graphchunk.worker import check_config
+
+            check_config(config, GraphChunkConfig.from_additional_config(config.additional_config))
+        return config
+
+    create_engine_config._graphchunk = True
+    EngineArgs.create_engine_config = create_engine_config
 
 
 def _select_v1_model_runner() -> None:

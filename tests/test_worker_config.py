@@ -76,3 +76,13 @@ def test_graphchunk_engines_select_the_v1_model_runner(monkeypatch):
     assert graphchunk_engine.use_v2_model_runner is True
     with pytest.raises(ConfigError, match="selects V2 .*unset VLLM_USE_V2_MODEL_RUNNER"):
         check_config(graphchunk_engine, GraphChunkConfig())
+
+
+def test_a_refused_configuration_raises_in_the_users_process(smollm2_path):
+    """Where the engine's config is built (the plugin wraps EngineArgs.create_engine_config), not
+    in a worker whose failure would surface as "Engine core initialization failed"."""
+    from graphchunk import GraphChunkLLM
+
+    with pytest.raises(ConfigError, match="graphchunk.pool_tokens=64 is too small"):
+        GraphChunkLLM(str(smollm2_path), dtype="float32", enforce_eager=True, kv_cache_memory_bytes=1 << 30,
+                      graphchunk={"pool_tokens": 64})
