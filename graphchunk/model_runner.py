@@ -76,7 +76,10 @@ class ChunkRunnerMixin(KVDeviceMixin, TemplateHooksMixin):
         groups = self.kv_cache_config.kv_cache_groups
         if len(groups) != 1 or any(g.kernel_block_size for g in self.attn_groups[0]):
             raise ConfigError("graphchunk supports models whose layers share one full-attention KV cache group")
-        layer_names = groups[0].layer_names
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        # In model order, so that gc_copier's layer i (CacheBlend's check layer) is decoder layer i.
+        layer_names = sorted(groups[0].layer_names, key=extract_layer_index)
         forward_context = self.compilation_config.static_forward_context
         self.gc_layers = [forward_context[name] for name in layer_names]
         slot_map = self._probe_kv_layout(self.gc_layers[0], groups[0].kv_cache_spec)
