@@ -617,7 +617,8 @@ def plot(result_rows: list[dict], path: Path, title: str) -> None:
     ax_kl.set_ylabel(f"KL(vanilla || setting), first token, nats (floor {floor:g})")
     ax_top.set_ylabel("top-1 agreement, teacher-forced continuation")
     ax_top.set_xlabel("TTFT p50, ms (documents cached, unseen sys prompt)")
-    ax_top.set_ylim(-0.02, 1.02)
+    lowest = min(r["top1_agreement"] for r in result_rows if r["top1_agreement"] is not None)
+    ax_top.set_ylim(max(0.0, lowest - 0.05), 1.01)
     for ax in (ax_kl, ax_top):
         ax.grid(True, which="both", alpha=0.3)
     ax_kl.set_title(title, fontsize=8)
@@ -646,6 +647,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M-Instruct")
     p.add_argument("--out", type=Path, default=REPO / "perf/results/blend_quality.json")
+    p.add_argument("--replot", type=Path, default=None, help="only draw --plot again from this result JSON")
     p.add_argument("--plot", type=Path, default=REPO / "perf/results/blend_quality.png")
     p.add_argument("--quick", action="store_true", help="tiny smoke run: 2 prompts x 3 documents of ~80 tokens, "
                                                         "1 round (explicitly given sizes still win)")
@@ -681,6 +683,10 @@ def print_table(result_rows: list[dict]) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.replot:  # the plot again from a result file, nothing measured
+        result = json.loads(args.replot.read_text())
+        plot(result["rows"], args.plot, result.get("plot_title", result["device"]))
+        return 0
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     load = {"start": os.getloadavg()}
     started = time.time()
@@ -730,11 +736,12 @@ def main(argv=None) -> int:
                         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
                         "wall_s": time.time() - started},
     }
+    result["plot_title"] = (f"SmolLM2-135M fp32, {args.prompts} prompts x {args.docs} docs (~{args.doc_tokens} tok), "
+                            f"{args.continuation}-token continuation; {device}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     if args.plot:
-        plot(result_rows, args.plot, f"SmolLM2-135M fp32, {args.prompts} prompts x {args.docs} docs "
-                                     f"(~{args.doc_tokens} tok), {args.continuation}-token continuation; {device}")
+        plot(result_rows, args.plot, result["plot_title"])
 
     print_table(result_rows)
     print(f"checks: {'passed' if not res['failures'] else 'FAILED'}")
