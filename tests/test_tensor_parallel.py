@@ -1,9 +1,10 @@
 """Tensor parallelism through vLLM (TP=2 on CPU) on the tiny Llama-llama3 checkpoint, against the HF
 oracle, in both modes.
 
-vLLM's CPU worker binds each rank's OpenMP threads to cores; with its default ('auto') binding, two
-ranks on a 2-core machine do not start, so the test sets ``VLLM_CPU_OMP_THREADS_BIND`` as a user
-must (README, Limits): one core per rank, ``0|1``.
+vLLM's CPU worker binds each rank's OpenMP threads to cores; its default ('auto') binding wants a
+NUMA node per rank ("Not enough allowed NUMA nodes to bind threads of 2 local CPUWorkers" on this
+one-node machine), so the test sets ``VLLM_CPU_OMP_THREADS_BIND`` as a user must (README, Limits):
+one core per rank, ``0|1``.
 """
 from __future__ import annotations
 
