@@ -170,23 +170,20 @@ class ChunkCache:
         with self.metrics.timed_lookup():
             key = chunk_key(self.space, sys_tokens, chunk, salt, mode)
             entry = self.pool.lookup(key, tokens)
-        if entry is not None:
-            acquired.append(entry)
-            self.metrics.count("lookups", 1, mode)
-            self.metrics.count("hits", 1, mode)
-            return entry, offset
-        entry = self.pool.insert(key, tokens, offset + len(chunk))
+        hit = entry is not None
+        if not hit:  # insert may raise PoolExhausted: nothing is counted or recorded before it
+            entry = self.pool.insert(key, tokens, offset + len(chunk))
+            if mode == "blend":
+                seq = PseudoSeq(chunk, np.arange(len(chunk)), entry.block_ids)
+            else:
+                sys_blocks = sys_entry.block_ids[: len(sys_tokens) // self.block_size] if sys_entry else []
+                seq = PseudoSeq(tokens, np.arange(len(tokens)), [*sys_blocks, *entry.block_ids], len(sys_tokens))
+                if offset:
+                    group.partial_copies.append((sys_entry.block_ids[-1], entry.block_ids[0]))
+            group.chunk_misses.append((entry, seq))
         acquired.append(entry)
         self.metrics.count("lookups", 1, mode)
-        self.metrics.count("misses", 1, mode)
-        if mode == "blend":
-            seq = PseudoSeq(chunk, np.arange(len(chunk)), entry.block_ids)
-        else:
-            sys_blocks = sys_entry.block_ids[: len(sys_tokens) // self.block_size] if sys_entry else []
-            seq = PseudoSeq(tokens, np.arange(len(tokens)), [*sys_blocks, *entry.block_ids], len(sys_tokens))
-            if offset:
-                group.partial_copies.append((sys_entry.block_ids[-1], entry.block_ids[0]))
-        group.chunk_misses.append((entry, seq))
+        self.metrics.count("hits" if hit else "misses", 1, mode)
         return entry, offset
 
     # --- run ----------------------------------------------------------------------------------

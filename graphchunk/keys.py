@@ -3,8 +3,9 @@
 In isolated mode every layer after the first mixes ``sys`` into a chunk, so a chunk's KV is a
 function of (model, dtype, parallel layout, sys tokens, chunk tokens), and ``cache_salt`` keeps
 tenants apart. A blend chunk is computed alone, so its key has no sys tokens; the mode is part of
-every key, so isolated and blend entries never satisfy each other's lookups. The key is a 128-bit xxhash of all of them; a hit is still verified against the
-stored tokens, since a hash makes collisions unlikely, not impossible.
+every key, so isolated and blend entries never satisfy each other's lookups. The key is a 128-bit
+xxhash of all of them; a hit is still verified against the stored tokens, since a hash makes
+collisions unlikely, not impossible.
 """
 from __future__ import annotations
 

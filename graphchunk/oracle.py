@@ -112,7 +112,8 @@ class Oracle:
         recomputing them under full causal attention means. Generated tokens follow at ordinary
         positions."""
         _check_length(token_ids, layout)
-        fresh = sorted(set(int(t) for t in recomputed))
+        fresh_set = {int(t) for t in recomputed}
+        fresh = sorted(fresh_set)
         if any(not layout.sys_len <= t < layout.context_len for t in fresh):
             raise ValueError("only chunk tokens can be recomputed")
         parts, kept = [], []
@@ -120,7 +121,7 @@ class Oracle:
             parts.append(self._causal_kv(token_ids[:layout.sys_len]))
             kept += range(layout.sys_len)
         for start, n in zip(layout.chunk_starts(), layout.chunk_lens):
-            keep = [t for t in range(start, start + n) if t not in set(fresh)]
+            keep = [t for t in range(start, start + n) if t not in fresh_set]
             kv = self._causal_kv(token_ids[start:start + n], first_position=start)
             parts.append([tuple(x[:, :, [t - start for t in keep]] for x in layer) for layer in kv])
             kept += keep

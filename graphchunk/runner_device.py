@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from graphchunk.config import ConfigError
-from graphchunk.device import PseudoSeq
+from graphchunk.device import PseudoSeq, slots_of
 from graphchunk.kv_slots import KVCopier
 
 
@@ -35,12 +35,10 @@ class KVDeviceMixin:
         ids = torch.tensor(np.concatenate([np.asarray(s.token_ids[s.num_cached:]) for s in seqs]), dtype=torch.int32)
         positions = torch.from_numpy(np.concatenate([s.positions[s.num_cached:] for s in seqs]).astype(np.int64))
         block_table = torch.zeros(len(seqs), max(len(s.block_ids) for s in seqs), dtype=torch.int32)
-        slots = []
         for i, s in enumerate(seqs):
             block_table[i, : len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.int32)
-            logical = np.arange(s.num_cached, len(s.token_ids))
-            slots.append(np.asarray(s.block_ids, np.int64)[logical // bs] * bs + logical % bs)
-        slot_mapping = torch.from_numpy(np.concatenate(slots))
+        slot_mapping = torch.from_numpy(np.concatenate(
+            [slots_of(s.block_ids, np.arange(s.num_cached, len(s.token_ids)), bs) for s in seqs]))
         query_start = torch.zeros(len(seqs) + 1, dtype=torch.int32)
         query_start[1:] = torch.cumsum(torch.tensor(new_lens), 0)
         num_tokens = int(query_start[-1])
