@@ -2,13 +2,14 @@
 
 Blocks are ids in ``[first_block_id, first_block_id + num_blocks)`` of the per-layer KV tensors;
 the pool only does the bookkeeping. Entries in use (``ref_count > 0``) are never evicted;
-unused ones stay cached and are evicted least recently used first when blocks run out.
+unused ones stay cached and, when blocks run out, are evicted in the order of the pool's
+eviction policy (``eviction.py``: ``lru``, ``lfu``, ``gdsf``; default ``DEFAULT_POLICY``).
 """
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 
+from graphchunk.eviction import DEFAULT_POLICY, EvictionPolicy, make_policy
 from graphchunk.metrics import CacheMetrics
 
 
@@ -33,7 +34,7 @@ class PoolEntry:
 
 class ChunkPool:
     def __init__(self, num_blocks: int, block_size: int, first_block_id: int = 0,
-                 metrics: CacheMetrics | None = None):
+                 metrics: CacheMetrics | None = None, policy: str | EvictionPolicy = DEFAULT_POLICY):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"pool needs num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
@@ -43,7 +44,9 @@ class ChunkPool:
         self.metrics.pool_blocks_total = num_blocks
         self._free = list(range(first_block_id + num_blocks - 1, first_block_id - 1, -1))
         self._index: dict[bytes, PoolEntry] = {}
-        self._evictable: OrderedDict[bytes, PoolEntry] = OrderedDict()
+        self.policy = make_policy(policy)
+        self._evictable: dict[bytes, PoolEntry] = {}
+        self._evictable_blocks = 0
         self._live: set[PoolEntry] = set()
 
     @property
@@ -58,34 +61,38 @@ class ChunkPool:
         entry = self._index.get(key)
         if entry is None or entry.tokens != tokens:
             return None
+        self.policy.hit(entry)
         self.acquire(entry)
         return entry
 
-    def insert(self, key: bytes, tokens: tuple[int, ...], num_tokens: int) -> PoolEntry:
-        """A new entry with room for ``num_tokens``, acquired once, not yet ready."""
+    def insert(self, key: bytes, tokens: tuple[int, ...], num_tokens: int, cost: float | None = None) -> PoolEntry:
+        """A new entry with room for ``num_tokens``, acquired once, not yet ready. ``cost``: what a
+        miss on it costs, in tokens recomputed (default ``num_tokens``); the gdsf policy weighs it."""
         needed = self.blocks_for(num_tokens)
         if needed > self.num_blocks:
             raise PoolExhausted(f"{num_tokens} tokens need {needed} blocks, more than the pool's {self.num_blocks}")
-        reclaimable = len(self._free) + sum(len(e.block_ids) for e in self._evictable.values())
+        reclaimable = len(self._free) + self._evictable_blocks
         if reclaimable < needed:
             raise PoolExhausted(f"{num_tokens} tokens need {needed} free blocks; {len(self._free)} are free "
                                 f"and only {reclaimable} reclaimable, the rest belong to entries in use")
         if key in self._evictable:  # same key, other tokens, unused: the newcomer replaces it
             self._evict(key)
         while len(self._free) < needed:
-            self._evict(next(iter(self._evictable)))
+            self._evict(self.policy.victim().key)
         entry = PoolEntry(key, tokens, num_tokens, [self._free.pop() for _ in range(needed)], ref_count=1)
         entry.indexed = key not in self._index
         if entry.indexed:
             self._index[key] = entry
+            self.policy.inserted(entry, num_tokens if cost is None else cost)
         self._live.add(entry)
         self._update_usage()
         return entry
 
     def acquire(self, entry: PoolEntry) -> None:
         entry.ref_count += 1
-        if entry.indexed:
-            self._evictable.pop(entry.key, None)
+        if entry.indexed and self._evictable.pop(entry.key, None) is not None:
+            self._evictable_blocks -= len(entry.block_ids)
+            self.policy.in_use(entry)
 
     def release(self, entry: PoolEntry) -> None:
         if entry.ref_count < 1:
@@ -95,6 +102,8 @@ class ChunkPool:
             return
         if entry.indexed and entry.ready:
             self._evictable[entry.key] = entry
+            self._evictable_blocks += len(entry.block_ids)
+            self.policy.evictable(entry)
         else:
             self._drop(entry)
 
@@ -102,13 +111,15 @@ class ChunkPool:
         entry.ready = True
 
     def _evict(self, key: bytes) -> None:
-        self._drop(self._evictable.pop(key))
+        self._drop(self._evictable[key])
         self.metrics.evictions += 1
 
     def _drop(self, entry: PoolEntry) -> None:
         if entry.indexed:
             del self._index[entry.key]
-            self._evictable.pop(entry.key, None)
+            if self._evictable.pop(entry.key, None) is not None:
+                self._evictable_blocks -= len(entry.block_ids)
+            self.policy.dropped(entry)
             entry.indexed = False
         self._live.discard(entry)
         self._free.extend(reversed(entry.block_ids))
@@ -118,6 +129,13 @@ class ChunkPool:
     def _update_usage(self) -> None:
         self.metrics.pool_blocks_used = self.num_blocks - len(self._free)
 
+    def audit(self) -> None:
+        """Publishes the accounting a leak would show in: references held (0 between steps,
+        when no entry is in use) and blocks used that no indexed entry owns (0 between steps)."""
+        self.metrics.pool_refs_held = sum(e.ref_count for e in self._live)
+        indexed = sum(len(e.block_ids) for e in self._index.values())
+        self.metrics.pool_blocks_leaked = self.num_blocks - len(self._free) - indexed
+
     def check_invariants(self) -> None:
         """Raises AssertionError when the accounting is off (used by tests and debug builds)."""
         owned = [b for e in self._live for b in e.block_ids]
@@ -125,5 +143,6 @@ class ChunkPool:
         assert len(all_blocks) == len(set(all_blocks)) == self.num_blocks, "a block is lost or owned twice"
         assert set(all_blocks) == set(range(self.first_block_id, self.first_block_id + self.num_blocks))
         assert all(e.ref_count == 0 and e.ready for e in self._evictable.values()), "evictable entry in use"
+        assert self._evictable_blocks == sum(len(e.block_ids) for e in self._evictable.values())
         assert all(e in self._live for e in self._index.values()), "indexed entry without blocks"
         assert self.metrics.pool_blocks_used == len(owned)
