@@ -17,6 +17,11 @@ chunk's entry is computed alone at positions [0, L), keyed without sys, and copi
 rotated to the chunk's offset; afterwards ``blend.recompute`` gives the tokens the request's policy
 picks fresh KV over the request's own slots.
 
+With a persistent tier (``store.py``), a pool miss is first looked up there: an entry the tier
+holds is loaded into its pool blocks (before anything of the group is computed, so a loaded sys
+entry serves the chunk misses after it) instead of computed; an entry computed is written
+through to the tier before the step's copies.
+
 Entries are held only within the step (released once copied), so preemption, aborts and chunked
 prefill need no bookkeeping; identical chunks met in one step are computed once, and an entry is
 ready for the very next request that looks it up (no asynchronous store).
@@ -27,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
+import torch
 
 from graphchunk import blend
 from graphchunk.blend import RecomputePolicy
@@ -34,6 +40,7 @@ from graphchunk.device import KVDevice, PseudoSeq, slots_of, split_forward_batch
 from graphchunk.keys import KeySpace, chunk_key, sys_key
 from graphchunk.pool import ChunkPool, PoolEntry, PoolExhausted
 from graphchunk.segments import SegmentedPrompt
+from graphchunk.store import ChunkStore
 
 
 @dataclass
@@ -73,21 +80,34 @@ class _Group:
     chunk_misses: list[tuple[PoolEntry, PseudoSeq]] = field(default_factory=list)
     partial_copies: list[tuple[int, int]] = field(default_factory=list)
     """(sys entry's partial last block, isolated chunk miss's first block)."""
+    loads: list[tuple[PoolEntry, torch.Tensor]] = field(default_factory=list)
+    """Misses the tier held: (entry, its blocks' KV) to write into the pool."""
+    stores: list[tuple[PoolEntry, str]] = field(default_factory=list)
+    """Computed misses to write through to the tier: (entry, mode)."""
     copies: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
     rotated: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=list)
     """Blend copies: (pool slots, request slots, positions each key moves)."""
 
-    def undo_to(self, marks: tuple[int, int, int]) -> None:
-        del self.sys_misses[marks[0]:], self.chunk_misses[marks[1]:], self.partial_copies[marks[2]:]
+    def undo_to(self, marks: tuple[int, ...]) -> None:
+        for part, mark in zip(self._undoable(), marks):
+            del part[mark:]
 
     @property
-    def marks(self) -> tuple[int, int, int]:
-        return len(self.sys_misses), len(self.chunk_misses), len(self.partial_copies)
+    def marks(self) -> tuple[int, ...]:
+        return tuple(map(len, self._undoable()))
+
+    def _undoable(self) -> tuple[list, ...]:
+        return self.sys_misses, self.chunk_misses, self.partial_copies, self.loads, self.stores
+
+    def loaded(self, entry: PoolEntry) -> bool:
+        return any(e is entry for e, _ in self.loads)
 
 
 class ChunkCache:
-    def __init__(self, pool: ChunkPool, space: KeySpace, max_forward_tokens: int, check_layer: int = 1):
+    def __init__(self, pool: ChunkPool, space: KeySpace, max_forward_tokens: int, check_layer: int = 1,
+                 tier: ChunkStore | None = None):
         self.pool = pool
+        self.tier = tier
         self.space = space
         self.block_size = pool.block_size
         self.max_forward_tokens = max_forward_tokens
@@ -136,7 +156,7 @@ class ChunkCache:
             for held in acquired:
                 self.pool.release(held)
             raise
-        if entry.ready:
+        if entry.ready or group.loaded(entry):
             self.metrics.count("tokens_reused", hi - lo, mode)
         group.held.extend(acquired)
         begin = seg.bounds[0 if chunk is None else 1 + chunk][0]
@@ -152,7 +172,8 @@ class ChunkCache:
         entry = self.pool.lookup(key, seg.sys_tokens)
         if entry is None:
             entry = self.pool.insert(key, seg.sys_tokens, seg.layout.sys_len)
-            group.sys_misses.append(entry)
+            if not self._load(entry, mode, group):
+                group.sys_misses.append(entry)
         acquired.append(entry)
         return entry
 
@@ -170,26 +191,44 @@ class ChunkCache:
         with self.metrics.timed_lookup():
             key = chunk_key(self.space, sys_tokens, chunk, salt, mode)
             entry = self.pool.lookup(key, tokens)
-        hit = entry is not None
-        if not hit:  # insert may raise PoolExhausted: nothing is counted or recorded before it
+        outcome = "hits" if entry is not None else "misses"
+        if entry is None:  # insert may raise PoolExhausted: nothing is counted or recorded before it
             entry = self.pool.insert(key, tokens, offset + len(chunk))
-            if mode == "blend":
+            if self._load(entry, mode, group):
+                outcome = "tier_hits"
+            elif mode == "blend":
                 seq = PseudoSeq(chunk, np.arange(len(chunk)), entry.block_ids)
             else:
                 sys_blocks = sys_entry.block_ids[: len(sys_tokens) // self.block_size] if sys_entry else []
                 seq = PseudoSeq(tokens, np.arange(len(tokens)), [*sys_blocks, *entry.block_ids], len(sys_tokens))
                 if offset:
                     group.partial_copies.append((sys_entry.block_ids[-1], entry.block_ids[0]))
-            group.chunk_misses.append((entry, seq))
+            if outcome == "misses":
+                group.chunk_misses.append((entry, seq))
         acquired.append(entry)
         self.metrics.count("lookups", 1, mode)
-        self.metrics.count("hits" if hit else "misses", 1, mode)
+        self.metrics.count(outcome, 1, mode)
         return entry, offset
+
+    def _load(self, entry: PoolEntry, mode: str, group: _Group) -> bool:
+        """Finds a new entry's KV in the tier (to be written into its blocks when the group
+        runs), or records it to be written through to the tier once computed."""
+        if self.tier is None:
+            return False
+        data = self.tier.load(entry.key, entry.tokens, mode, len(entry.block_ids))
+        if data is None:
+            group.stores.append((entry, mode))
+            return False
+        group.loads.append((entry, data))
+        return True
 
     # --- run ----------------------------------------------------------------------------------
 
     def _run(self, group: _Group, device: KVDevice) -> None:
         try:
+            for entry, data in group.loads:
+                device.write_blocks(entry.block_ids, data)
+                self.pool.mark_ready(entry)
             self._forward(device, [self._sys_seq(e) for e in group.sys_misses])
             for entry in group.sys_misses:
                 self.pool.mark_ready(entry)
@@ -198,6 +237,8 @@ class ChunkCache:
             self._forward(device, [seq for _, seq in group.chunk_misses])
             for entry, _ in group.chunk_misses:
                 self.pool.mark_ready(entry)
+            for entry, mode in group.stores:
+                self.tier.save(entry.key, entry.tokens, entry.num_tokens, mode, device.read_blocks(entry.block_ids))
             if group.copies:
                 device.copy_slots(*(np.concatenate(part) for part in zip(*group.copies)))
             if group.rotated:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from graphchunk.blend import RecomputePolicy
+from graphchunk.eviction import DEFAULT_POLICY, POLICIES
 
 MODES = ("isolated", "blend")
 
@@ -27,6 +28,9 @@ class GraphChunkConfig:
     """Most tokens one chunk may have (separator tokens included)."""
     pool_tokens: int = 65536
     """Chunk-pool budget in tokens of KV (rounded up to whole blocks)."""
+    eviction: str = DEFAULT_POLICY
+    """Which unused pool entry is evicted first: 'gdsf' (hits x tokens per block, with aging), 'lfu'
+    (hits, with aging) or 'lru' (``eviction.py``; measured in perf/results/eviction.json)."""
     mode: str = "isolated"
     """Default mode of segmented requests: 'isolated' (exact, DESIGN.md §2) or 'blend' (approximate
     reuse behind any sys prompt at any offset); a request may override it (``graphchunk_mode``)."""
@@ -43,6 +47,11 @@ class GraphChunkConfig:
     templates: str = ""
     """Graph-template grid captured at start-up: a name in graph_templates/ ('cpu') or a .toml path;
     '' runs every step eager."""
+    store_path: str = ""
+    """Directory of the persistent chunk tier below the pool (``store.py``), which servers may
+    share; '' keeps chunk KV in the pool only."""
+    store_bytes: int = 16 << 30
+    """The tier's budget in bytes of files; the least recently used files go first."""
 
     def __post_init__(self):
         for name, kind in _TYPES.items():
@@ -52,9 +61,11 @@ class GraphChunkConfig:
                 raise ConfigError(f"graphchunk.{name} must be {what}, got {value!r}")
         if isinstance(self.recompute_ratio, int) and not isinstance(self.recompute_ratio, bool):
             object.__setattr__(self, "recompute_ratio", float(self.recompute_ratio))
-        for name in ("max_chunks", "max_chunk_len", "pool_tokens"):
+        for name in ("max_chunks", "max_chunk_len", "pool_tokens", "store_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"graphchunk.{name} must be >= 1, got {getattr(self, name)}")
+        if self.eviction not in POLICIES:
+            raise ConfigError(f"graphchunk.eviction must be one of {POLICIES}, got {self.eviction!r}")
         if self.mode not in MODES:
             raise ConfigError(f"graphchunk.mode must be one of {MODES}, got {self.mode!r}")
         if self.check_layer < 0:
@@ -87,6 +98,6 @@ class GraphChunkConfig:
         return cls.from_dict(section)
 
 
-_TYPES = {"separator": str, "max_chunks": int, "max_chunk_len": int, "pool_tokens": int, "mode": str,
-          "templates": str, "recompute": str, "recompute_ratio": (int, float), "recompute_tokens": int,
-          "check_layer": int}
+_TYPES = {"separator": str, "max_chunks": int, "max_chunk_len": int, "pool_tokens": int, "eviction": str,
+          "mode": str, "templates": str, "recompute": str, "recompute_ratio": (int, float), "recompute_tokens": int,
+          "check_layer": int, "store_path": str, "store_bytes": int}

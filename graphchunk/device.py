@@ -45,6 +45,12 @@ class KVDevice(Protocol):
     def read_keys(self, layer: int, slots: np.ndarray) -> torch.Tensor:
         """K of ``slots`` at ``layer``: [n, kv_heads, head_size]."""
 
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """Whole blocks of every layer on the host (the persistent tier's payload)."""
+
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """Inverse of ``read_blocks``."""
+
 
 def split_forward_batches(seqs: list[PseudoSeq], budget: int) -> list[list[PseudoSeq]]:
     """Batches of at most ``budget`` new tokens; a longer sequence is cut into consecutive

@@ -84,9 +84,10 @@ def _storage_view(cache: torch.Tensor) -> torch.Tensor:
 class KVCopier:
     """Copies slot KV between places in every layer's cache (positions unchanged: no rotation)."""
 
-    def __init__(self, caches: list[torch.Tensor], slot_map: KVSlotMap, num_blocks: int):
+    def __init__(self, caches: list[torch.Tensor], slot_map: KVSlotMap, num_blocks: int, block_dim: int = 0):
         self.caches = caches
         self.slot_map = slot_map
+        self.block_dim = block_dim
         self.layer_stride = _uniform_layer_stride(caches)
         self.views = self._strided_views(num_blocks) if None not in slot_map.strides else None
 
@@ -148,6 +149,23 @@ class KVCopier:
         blocks, offsets = (torch.from_numpy(x) for x in _block_offset(slots, self.slot_map.block_size))
         keys = self.views[0][layer] if self.layer_stride is not None else self.views[layer]
         return keys[blocks, offsets]
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """Whole blocks of every layer, as a host tensor [layers, blocks, *one block]."""
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.caches[0].device)
+        return torch.stack([c.movedim(self.block_dim, 0).index_select(0, ids) for c in self.caches]).cpu()
+
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """Inverse of ``read_blocks``."""
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.caches[0].device)
+        for cache, layer in zip(self.caches, data.to(self.caches[0].device), strict=True):
+            cache.movedim(self.block_dim, 0).index_copy_(0, ids, layer)
+
+    @property
+    def block_shape(self) -> list[int]:
+        shape = list(self.caches[0].shape)
+        del shape[self.block_dim]
+        return shape
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         bs = self.slot_map.block_size

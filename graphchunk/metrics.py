@@ -26,6 +26,20 @@ class CacheMetrics:
     blend_tokens_reused: int = 0
     blend_tokens_recomputed: int = 0
     blend_tokens_checked: int = 0
+    blend_tier_hits: int = 0
+    tier_hits: int = 0
+    tier_loads: int = 0
+    tier_rejected: int = 0
+    tier_writes: int = 0
+    tier_write_errors: int = 0
+    tier_evictions: int = 0
+    tier_bytes_read: int = 0
+    tier_bytes_written: int = 0
+    tier_read_seconds: float = 0.0
+    tier_write_seconds: float = 0.0
+    tier_bytes: int = 0
+    pool_refs_held: int = 0
+    pool_blocks_leaked: int = 0
 
     @property
     def pool_utilization(self) -> float:
@@ -61,12 +75,16 @@ class CacheMetrics:
 METRICS_FILE_ENV = "GRAPHCHUNK_METRICS_FILE"
 COUNTERS = ("lookups", "hits", "misses", "evictions", "tokens_reused", "tokens_computed", "lookup_seconds",
             "graph_captures", "graph_replays", "graph_fallbacks", "blend_lookups", "blend_hits", "blend_misses",
-            "blend_tokens_reused", "blend_tokens_recomputed", "blend_tokens_checked")
-GAUGES = ("pool_blocks_used", "pool_blocks_total", "pool_utilization", "hit_rate")
+            "blend_tokens_reused", "blend_tokens_recomputed", "blend_tokens_checked", "blend_tier_hits", "tier_hits", "tier_loads",
+            "tier_rejected", "tier_writes", "tier_write_errors", "tier_evictions", "tier_bytes_read",
+            "tier_bytes_written", "tier_read_seconds", "tier_write_seconds")
+GAUGES = ("pool_blocks_used", "pool_blocks_total", "pool_utilization", "hit_rate", "tier_bytes", "pool_refs_held",
+          "pool_blocks_leaked")
 FIELDS = COUNTERS + GAUGES
 HELP = {
     "lookups": "Chunk-pool lookups", "hits": "Chunk-pool lookups that found the KV",
-    "misses": "Chunk-pool lookups that had to compute the KV", "evictions": "Pool entries evicted (LRU)",
+    "misses": "Chunk-pool lookups that had to compute the KV (neither in the pool nor in the tier)",
+    "evictions": "Pool entries evicted",
     "tokens_reused": "Context tokens whose KV was copied from the pool instead of computed",
     "tokens_computed": "Prompt tokens computed (chunk misses and questions)",
     "lookup_seconds": "Time spent in pool lookups", "pool_blocks_used": "Pool blocks holding KV",
@@ -80,6 +98,17 @@ HELP = {
     "blend_tokens_reused": "Context tokens of blend-mode requests whose KV was copied from the pool",
     "blend_tokens_recomputed": "Reused chunk tokens of blend-mode requests recomputed through every layer",
     "blend_tokens_checked": "Chunk tokens run through CacheBlend's check layers to rank them",
+    "blend_tier_hits": "Tier hits of blend-mode requests",
+    "tier_hits": "Chunk-pool lookups missing the pool and served from the persistent tier",
+    "tier_loads": "Entries (sys prompts and chunks) loaded from the persistent tier",
+    "tier_rejected": "Tier files not served: truncated, corrupt, unreadable or another engine's",
+    "tier_writes": "Entries written to the persistent tier", "tier_write_errors": "Tier writes that failed",
+    "tier_evictions": "Tier files removed by the tier's budget", "tier_bytes_read": "Bytes loaded from the tier",
+    "tier_bytes_written": "Bytes written to the tier", "tier_read_seconds": "Time spent loading tier files",
+    "tier_write_seconds": "Time spent writing tier files",
+    "tier_bytes": "Bytes of tier files in the store directory (as of this server's last count)",
+    "pool_refs_held": "References held on pool entries (0 between steps)",
+    "pool_blocks_leaked": "Pool blocks used but owned by no indexed entry (0 between steps)",
 }
 
 

@@ -23,6 +23,7 @@ import logging
 import os
 
 import torch
+import xxhash
 
 from graphchunk.blend import RecomputePolicy
 from graphchunk.buckets import Bucket, RequestShape, load_grid
@@ -37,6 +38,7 @@ from graphchunk.rope import KeyRotation
 from graphchunk.runner_device import KVDeviceMixin, decoder_stack
 from graphchunk.runner_templates import TemplateHooksMixin
 from graphchunk.segments import SegmentedPrompt, split_at
+from graphchunk.store import ChunkStore, StoreIdentity, weights_digest
 from graphchunk.templates import GraphTemplates
 
 logger = logging.getLogger("graphchunk")
@@ -83,17 +85,37 @@ class ChunkRunnerMixin(KVDeviceMixin, TemplateHooksMixin):
         forward_context = self.compilation_config.static_forward_context
         self.gc_layers = [forward_context[name] for name in layer_names]
         slot_map = self._probe_kv_layout(self.gc_layers[0], groups[0].kv_cache_spec)
-        self.gc_copier = KVCopier([layer.kv_cache for layer in self.gc_layers], slot_map,
-                                  self.kv_cache_config.num_blocks)
-        pool = ChunkPool(self.pool_num_blocks(), self.cache_config.block_size, first_pool_block, self.gc_metrics)
+        num_blocks = self.kv_cache_config.num_blocks
+        self.gc_copier = KVCopier([layer.kv_cache for layer in self.gc_layers], slot_map, num_blocks,
+                                  list(self.gc_layers[0].kv_cache.shape).index(num_blocks))
+        pool = ChunkPool(self.pool_num_blocks(), self.cache_config.block_size, first_pool_block, self.gc_metrics,
+                         policy=self.gc_config.eviction)
         model = self.model_config
-        space = KeySpace(model=f"{model.model}@{model.revision or ''}", dtype=str(model.dtype),
-                         parallel_layout=_parallel_layout(self.parallel_config))
+        tier = self._bind_tier(slot_map) if self.gc_config.store_path else None
+        # With a tier, keys name the weights (shared with other servers), else the model's path.
+        space = KeySpace(model=tier.identity.weights_digest if tier else f"{model.model}@{model.revision or ''}",
+                         dtype=str(model.dtype), parallel_layout=_parallel_layout(self.parallel_config))
         self.gc_cache = ChunkCache(pool, space, self.scheduler_config.max_num_batched_tokens,
-                                   check_layer=self.gc_config.check_layer)
+                                   check_layer=self.gc_config.check_layer, tier=tier)
         self._bind_blend()
         logger.info("graphchunk: chunk pool of %d blocks (%d tokens) at block ids [%d, %d)", pool.num_blocks,
                     pool.num_blocks * pool.block_size, first_pool_block, first_pool_block + pool.num_blocks)
+
+    def _bind_tier(self, slot_map: KVSlotMap) -> ChunkStore:
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        model, layer = self.model_config, self.gc_layers[0]
+        in_block = xxhash.xxh3_64_hexdigest(slot_map.coords.numpy().tobytes())
+        identity = StoreIdentity(
+            model_path=model.model, weights_digest=weights_digest(model.model, model.revision),
+            kv_dtype=str(layer.kv_cache.dtype), block_size=self.cache_config.block_size,
+            kv_layout=f"{type(layer.impl).__name__} block {self.gc_copier.block_shape} in-block {in_block}",
+            parallel=f"{_parallel_layout(self.parallel_config)} rank {get_tensor_model_parallel_rank()}")
+        tier = ChunkStore(self.gc_config.store_path, self.gc_config.store_bytes, identity, len(self.gc_layers),
+                          self.gc_copier.block_shape, self.gc_metrics)
+        logger.info("graphchunk: persistent chunk tier at %s (%.1f of %.1f GiB used)", tier.root,
+                    self.gc_metrics.tier_bytes / 2**30, tier.budget / 2**30)
+        return tier
 
     def _bind_blend(self) -> None:
         """Blend mode needs keys it can move (``rope.py``); CacheBlend also a decoder whose layer
@@ -150,9 +172,14 @@ class ChunkRunnerMixin(KVDeviceMixin, TemplateHooksMixin):
         if self.gc_prompts and self.gc_cache is not None:
             so = self._plan_step(so)
         output = super().execute_model(so, intermediate_tensors)
+        self._publish()
+        return output
+
+    def _publish(self) -> None:
+        if self.gc_cache is not None:
+            self.gc_cache.pool.audit()
         if self.gc_publisher is not None:
             self.gc_publisher.publish(self.gc_metrics)
-        return output
 
     def _register(self, new_req) -> None:
         args = (new_req.sampling_params.extra_args or {}) if new_req.sampling_params else {}
@@ -238,6 +265,8 @@ class ChunkRunnerMixin(KVDeviceMixin, TemplateHooksMixin):
             self.positions[first:end] += layout.position_offset
 
     def graphchunk_stats(self) -> dict[str, float]:
+        if self.gc_cache is not None:
+            self.gc_cache.pool.audit()
         return self.gc_metrics.snapshot()
 
 

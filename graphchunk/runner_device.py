@@ -85,6 +85,12 @@ class KVDeviceMixin:
     def read_keys(self, layer: int, slots: np.ndarray) -> torch.Tensor:
         return self.gc_copier.read_keys(layer, slots)
 
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        return self.gc_copier.read_blocks(block_ids)
+
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        self.gc_copier.write_blocks(block_ids, data)
+
 
 def decoder_stack(model: torch.nn.Module) -> torch.nn.Module:
     """The module holding the decoder layers and the ``[start_layer, end_layer)`` range it runs."""

@@ -36,8 +36,7 @@ class TemplateHooksMixin:
 
         with torch.inference_mode():
             self.gc_templates.capture_all(self.model, inputs_for, context_for, self.device)
-        if self.gc_publisher is not None:
-            self.gc_publisher.publish(self.gc_metrics)
+        self._publish()
 
     def _determine_batch_execution_and_padding(self, *args, **kwargs):
         result = super()._determine_batch_execution_and_padding(*args, **kwargs)

@@ -14,6 +14,7 @@ from graphchunk.buckets import BucketGrid, load_grid
 from graphchunk.config import ConfigError, GraphChunkConfig
 from graphchunk.model_runner import chunk_runner_class
 from graphchunk.rope import hf_rope_refusal
+from graphchunk.store import prepare_directory, weights_digest
 
 logger = logging.getLogger("graphchunk")
 
@@ -54,6 +55,9 @@ def check_config(vllm_config, config: GraphChunkConfig) -> None:
                               f"use mode 'isolated'")
     if config.templates:
         check_grid(vllm_config, load_grid(config.templates))
+    if config.store_path:
+        prepare_directory(config.store_path)
+        weights_digest(vllm_config.model_config.model, vllm_config.model_config.revision)
     block_size = vllm_config.cache_config.block_size
     # One unit of chunk work holds a sys prompt (up to max_model_len) and one chunk.
     needed = -(-vllm_config.model_config.max_model_len // block_size) + 1 + -(-config.max_chunk_len // block_size)

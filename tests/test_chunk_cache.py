@@ -45,6 +45,33 @@ class FakeDevice:
         for s, d in zip(src.tolist(), dst.tolist()):
             self.kv[d] = self.kv[s]
 
+    def read_blocks(self, block_ids):
+        return [self.kv.get(b * BS + o) for b in block_ids for o in range(BS)]
+
+    def write_blocks(self, block_ids, data):
+        for slot, value in zip([b * BS + o for b in block_ids for o in range(BS)], data, strict=True):
+            self.kv[slot] = value
+
+
+class FakeTier:
+    """The persistent tier's contract (``store.ChunkStore``): an entry's blocks by key, served
+    only for the same tokens, mode and block count."""
+
+    def __init__(self):
+        self.files, self.loads, self.saves = {}, 0, 0
+
+    def load(self, key, tokens, mode, num_blocks):
+        found = self.files.get(key)
+        if found is None or found[:3] != (tuple(tokens), mode, num_blocks):
+            return None
+        self.loads += 1
+        return found[3]
+
+    def save(self, key, tokens, num_tokens, mode, data):
+        assert len(data) == -(-num_tokens // BS) * BS and None not in data[-BS:][: (num_tokens - 1) % BS + 1]
+        self.saves += 1
+        self.files[key] = (tuple(tokens), mode, len(data) // BS, list(data))
+
 
 def expected_kv(seg, t):
     """Isolated semantics: what logical token t's KV is computed from."""
@@ -71,8 +98,8 @@ def request_blocks(first, seg):
     return list(range(first, first + -(-seg.layout.num_tokens // BS)))
 
 
-def cache(num_blocks=64, budget=1000):
-    return ChunkCache(ChunkPool(num_blocks, BS, first_block_id=1000), KeySpace("m", "f32"), budget)
+def cache(num_blocks=64, budget=1000, tier=None):
+    return ChunkCache(ChunkPool(num_blocks, BS, first_block_id=1000), KeySpace("m", "f32"), budget, tier=tier)
 
 
 def check_context(device, prompt):
@@ -173,3 +200,56 @@ def test_split_forward_batches_respects_budget_and_order():
     seqs = [PseudoSeq(list(range(10)), np.arange(10), [0, 1, 2], 2), PseudoSeq([1, 2, 3], np.arange(3), [5], 0)]
     batches = split_forward_batches(seqs, 4)
     assert [[(len(s.token_ids), s.num_cached) for s in b] for b in batches] == [[(6, 2)], [(10, 6)], [(3, 0)]]
+
+
+def test_tier_serves_another_pool_without_computing():
+    """Server A computes (and writes through); server B, a fresh pool over the same tier, loads
+    sys and chunks behind the same sys in another order and computes nothing."""
+    tier, a = FakeTier(), make_prompt(6, [5, 7])
+    device_a, cc_a = FakeDevice(), cache(tier=tier)
+    cc_a.materialize([ScheduledPrompt(a, None, 0, a.layout.num_tokens, request_blocks(0, a))], device_a)
+    assert tier.saves == 3 and (cc_a.metrics.misses, cc_a.metrics.tier_hits) == (2, 0)
+    ids = list(a.sys_tokens) + list(a.chunk_tokens(1)) + list(a.chunk_tokens(0)) + list(a.question_tokens)
+    b = split_at(ids, [6, 13, 18], max_chunks=4, max_chunk_len=64)
+    device_b, cc_b = FakeDevice(), cache(tier=tier)
+    prompt = ScheduledPrompt(b, None, 0, b.layout.num_tokens, request_blocks(0, b))
+    cc_b.materialize([prompt], device_b)
+    check_context(device_b, prompt)
+    assert device_b.forward_tokens == 0 and tier.loads == 3 and tier.saves == 3
+    m = cc_b.metrics
+    assert (m.lookups, m.hits, m.tier_hits, m.misses, m.tokens_reused) == (2, 0, 2, 0, 6 + 12)
+    cc_b.pool.check_invariants()
+
+
+def test_tier_miss_on_another_salt_or_sys():
+    tier, a = FakeTier(), make_prompt(6, [5])
+    cache(tier=tier).materialize([ScheduledPrompt(a, "t1", 0, a.layout.num_tokens, request_blocks(0, a))],
+                                 FakeDevice())
+    for salt, seg in (("t2", a), ("t1", make_prompt(5, [5]))):
+        device, cc = FakeDevice(), cache(tier=tier)
+        prompt = ScheduledPrompt(seg, salt, 0, seg.layout.num_tokens, request_blocks(0, seg))
+        cc.materialize([prompt], device)
+        check_context(device, prompt)
+        assert (cc.metrics.tier_hits, cc.metrics.misses) == (0, 1)
+
+
+@settings(max_examples=40, deadline=None)
+@given(picks=st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=3, unique=True), min_size=1, max_size=8),
+       pools=st.integers(6, 12))
+def test_small_pool_over_a_tier_computes_each_entry_once(picks, pools):
+    """Evicted entries come back from the tier: every context stays exact and each distinct
+    chunk (and the sys prompt) is computed once over the whole trace, whatever the pool size."""
+    docs = [make_prompt(3, [5 + d], base=d).chunk_tokens(0) for d in range(6)]
+    sys = tuple(range(500, 503))
+    tier, device = FakeTier(), FakeDevice()
+    cc = cache(num_blocks=pools, tier=tier)
+    for i, pick in enumerate(picks):
+        ids = list(sys) + [t for d in pick for t in docs[d]] + [9, 9]
+        seg = split_at(ids, np.cumsum([3] + [len(docs[d]) for d in pick]).tolist(), max_chunks=4, max_chunk_len=64)
+        prompt = ScheduledPrompt(seg, None, 0, seg.layout.num_tokens, request_blocks(100 * i, seg))
+        cc.materialize([prompt], device)
+        check_context(device, prompt)
+        cc.pool.check_invariants()
+    distinct = {d for pick in picks for d in pick}
+    assert device.forward_tokens == 3 + sum(len(docs[d]) for d in distinct)
+    assert cc.metrics.misses == len(distinct) and tier.saves == 1 + len(distinct)

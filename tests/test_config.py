@@ -6,6 +6,8 @@ from graphchunk.config import ConfigError, GraphChunkConfig
 def test_defaults_and_section():
     cfg = GraphChunkConfig.from_additional_config({"graphchunk": {"separator": " # # ", "max_chunks": 4}})
     assert (cfg.separator, cfg.max_chunks, cfg.mode) == (" # # ", 4, "isolated")
+    assert GraphChunkConfig().eviction == "gdsf"
+    assert GraphChunkConfig.from_dict({"eviction": "lru"}).eviction == "lru"
     assert GraphChunkConfig.from_additional_config(None) == GraphChunkConfig()
 
 
@@ -15,6 +17,8 @@ def test_defaults_and_section():
     ({"max_chunks": "8"}, "max_chunks must be int"),
     ({"pool_tokens": True}, "pool_tokens must be int"),
     ({"mode": "fast"}, "mode must be one of"),
+    ({"eviction": "fifo"}, r"graphchunk.eviction must be one of \('lru', 'lfu', 'gdsf'\), got 'fifo'"),
+    ({"eviction": 1}, "graphchunk.eviction must be str, got 1"),
     ({"separator": 3}, "separator must be str"),
     ({"recompute": "all"}, r"graphchunk.recompute\*: recompute policy must be one of \('none', 'cacheblend', 'legolink'\), got 'all'"),
     ({"recompute": 1}, "graphchunk.recompute must be str, got 1"),

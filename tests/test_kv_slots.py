@@ -94,3 +94,21 @@ def test_rotated_copy_equals_writing_rotated_keys_at_the_destination(dtype, shar
         written = KVCopier(want, slot_map, BLOCKS)
         assert torch.equal(copier.read_keys(layer, dst), written.read_keys(layer, dst))
     assert not torch.equal(copier.read_keys(0, dst), copier.read_keys(0, src)), "the keys did move"
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_blocks_read_and_written_back_elsewhere_equal_a_block_copy(shared):
+    """The persistent tier's payload: whole blocks of every layer out, and in at other blocks."""
+    slot_map = cpu_slot_map(write(torch.bfloat16), torch.bfloat16)
+    got, want = layer_caches(torch.bfloat16, shared), layer_caches(torch.bfloat16, shared)
+    torch.manual_seed(1)
+    for g, w in zip(got, want):
+        g.copy_(torch.randn(g.shape))
+        w.copy_(g)
+    copier = KVCopier(got, slot_map, BLOCKS)
+    data = copier.read_blocks([2, 5, 1])
+    assert list(data.shape) == [LAYERS, 3, *copier.block_shape] and copier.block_shape == [HEADS, BS, 2 * DIM]
+    copier.write_blocks([6, 0, 7], data)
+    KVCopier(want, slot_map, BLOCKS).copy_blocks([2, 5, 1], [6, 0, 7])
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)

@@ -34,8 +34,9 @@ DOCS = [words("assert", 60), words("break", 40), words("pass", 50)]
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_path):
-    srv = VllmServer(smollm2_path, dtype="float32", graphchunk=GC,
+def server(smollm2_path, tmp_path_factory):
+    store = tmp_path_factory.mktemp("server-tier")  # with a persistent tier: every entry written through
+    srv = VllmServer(smollm2_path, dtype="float32", graphchunk={**GC, "store_path": str(store)},
                      flags=[*SERVER_FLAGS, "--max-model-len", str(MAX_MODEL_LEN), "--block-size", "32"])
     srv.start()
     try:
@@ -235,6 +236,28 @@ def test_still_serves_correct_answers_after_bad_input(server, oracle, splitter, 
     assert status == 200
 
 
+# --- tenants -------------------------------------------------------------------------------------
+
+def test_cache_salt_tenants_never_share_chunks(server, oracle, splitter, tokenizer):
+    """The same documents under two tenants' ``cache_salt``: each tenant computes its own (pool
+    and tier: the server writes through to its tier), the same tenant reuses; every answer the
+    oracle's (a salt separates caches, it does not change what the model computes)."""
+    docs = [words("while", 45), words("import", 45)]
+    texts = [rag_text(docs), rag_text(docs[::-1])]  # reordered: vLLM's prefix cache cannot serve the chunks
+    expected = []
+    for text in texts:
+        prompt_ids = tokenizer(text).input_ids
+        expected.append(oracle_tokens(oracle, prompt_ids, splitter.split(prompt_ids).layout))
+    moves = []
+    for salt, which in (("tenant-a", 0), ("tenant-b", 0), ("tenant-a", 1), ("tenant-b", 1)):
+        before = server.metrics()
+        assert generated(server, texts[which], cache_salt=salt)[1] == expected[which], salt
+        after = server.metrics()
+        moves.append(tuple(after[f"graphchunk_{name}_total"] - before.get(f"graphchunk_{name}_total", 0)
+                           for name in ("misses", "hits", "tier_hits")))
+    assert moves == [(2, 0, 0), (2, 0, 0), (0, 2, 0), (0, 2, 0)]
+
+
 # --- metrics -------------------------------------------------------------------------------------
 
 def _published(server) -> bool:
@@ -249,6 +272,13 @@ def test_metrics_are_exported(server):
                  "graphchunk_tokens_computed_total", "graphchunk_pool_utilization",
                  "graphchunk_pool_blocks_used", "graphchunk_pool_blocks_total", "graphchunk_hit_rate"):
         assert name in found, sorted(found)
-    assert found["graphchunk_lookups_total"] == found["graphchunk_hits_total"] + found["graphchunk_misses_total"]
+    for name in ("graphchunk_tier_hits_total", "graphchunk_tier_writes_total", "graphchunk_tier_rejected_total",
+                 "graphchunk_tier_bytes_written_total", "graphchunk_tier_bytes", "graphchunk_pool_refs_held",
+                 "graphchunk_pool_blocks_leaked"):
+        assert name in found, sorted(found)
+    assert found["graphchunk_lookups_total"] == (found["graphchunk_hits_total"] + found["graphchunk_misses_total"]
+                                                 + found["graphchunk_tier_hits_total"])
+    assert found["graphchunk_tier_writes_total"] > 0 and found["graphchunk_tier_bytes"] > 0
+    assert found["graphchunk_pool_refs_held"] == found["graphchunk_pool_blocks_leaked"] == 0
     assert found["graphchunk_pool_blocks_total"] == GC["pool_tokens"] // 32
     assert 0 < found["graphchunk_pool_utilization"] <= 1

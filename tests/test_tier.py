@@ -1,0 +1,200 @@
+"""The persistent tier end to end: ``graphchunk-precompute`` fills a directory, servers started on
+it serve those chunks as tier hits, two live servers reuse each other's chunks, bad files are
+never served, tenants never share — every output checked against the HF oracle.
+
+Tiny Llama-llama3 checkpoint in fp32 (fast engines); "servers" are ``GraphChunkLLM`` engines
+(each an engine-core process of its own, as a ``vllm serve`` has); the soak test drives the
+OpenAI server with a restart over a tier.
+"""
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+import sys
+
+import pytest
+import torch
+import xxhash
+from pydoc_data.topics import topics
+
+from exactness import LIMITS, assert_matches_oracle, assert_matches_reference, blend_reference, sampling
+from graphchunk import models
+from graphchunk.llm import RagPrompt
+from graphchunk.oracle import Oracle
+from graphchunk.segments import split_at
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_oracle_thread")]
+
+ENGINE = dict(dtype="float32", max_model_len=1024, enforce_eager=True, kv_cache_memory_bytes=1 << 27, block_size=32)
+SYS = "Answer from the documents."
+QUESTION = "Which statement is described first?"
+_TOPICS = iter(sorted(topics))
+
+
+def docs(n: int) -> list[str]:
+    """``n`` documents no other test of this module uses: the start of CPython help topics."""
+    return [" ".join(topics[next(_TOPICS)].split()[:40]) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return str(models.tiny_checkpoint("llama3"))
+
+
+@pytest.fixture(scope="module")
+def tiny_oracle(tiny):
+    return Oracle(tiny, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    return tmp_path_factory.mktemp("tier")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    path = tmp_path_factory.mktemp("corpus") / "docs.jsonl"
+    records = [{"text": d} for d in docs(3)] + [{"text": d, "mode": "blend"} for d in docs(2)]
+    path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    return path, records
+
+
+@pytest.fixture(scope="module")
+def precomputed(tiny, store, corpus):
+    path, _ = corpus
+    result = subprocess.run(
+        [sys.executable, "-m", "graphchunk.precompute", "--model", tiny, "--store", str(store), "--corpus", str(path),
+         "--sys", SYS, "--dtype", "float32", "--block-size", "32", "--max-model-len", "1024",
+         "--kv-cache-memory-bytes", str(1 << 27)],
+        capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def engine(tiny, store):
+    from graphchunk import GraphChunkLLM
+
+    return GraphChunkLLM(tiny, graphchunk={"pool_tokens": 4096, "store_path": str(store)}, **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def server_a(tiny, store, precomputed):
+    llm = engine(tiny, store)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server_b(tiny, store, server_a):
+    llm = engine(tiny, store)
+    yield llm
+    llm.shutdown()
+
+
+def run(llm, oracle, prompt: RagPrompt, salt: str | None = None) -> dict[str, float]:
+    """Generates ``prompt`` (with ``cache_salt``), checks it against the oracle (isolated: the
+    masked reference; blend: LegoLink's), returns how the counters moved."""
+    ids, boundaries = llm.encode(prompt)
+    params = sampling()
+    params.extra_args = {**(params.extra_args or {}), **prompt.extra, "graphchunk_boundaries": boundaries}
+    request = {"prompt_token_ids": ids, **({"cache_salt": salt} if salt else {})}
+    before = llm.stats()
+    (output,) = llm.llm.generate([request], params, use_tqdm=False)
+    after = llm.stats()
+    seg = split_at(ids, boundaries, **LIMITS)
+    if prompt.extra.get("graphchunk_mode") == "blend":
+        assert_matches_reference(output, blend_reference(oracle, seg, "legolink:4"), "blend")
+    else:
+        assert_matches_oracle(output, seg, oracle)
+    return {name: after[name] - before[name] for name in after}
+
+
+def tier_files(store) -> set:
+    return set(store.rglob("*.gckv"))
+
+
+def test_precompute_writes_every_document(precomputed, store, corpus):
+    assert "5 documents" in precomputed.stdout
+    # isolated: the sys prompt and 3 chunks; blend: 2 chunks and its (causal) sys prompt
+    assert len(tier_files(store)) == 1 + 3 + 2 + 1
+    assert "it/s" in precomputed.stderr or "Processed prompts" in precomputed.stderr  # vLLM's progress bar
+
+
+def test_a_server_started_afterwards_serves_the_corpus_from_the_tier(server_a, tiny_oracle, corpus):
+    _, corpus = corpus
+    isolated = [r["text"] for r in corpus if "mode" not in r]
+    moved = run(server_a, tiny_oracle, RagPrompt(SYS, isolated[::-1], QUESTION))
+    assert (moved["tier_hits"], moved["misses"], moved["hits"]) == (3, 0, 0)
+    assert moved["tier_loads"] == 4 and moved["tokens_computed"] < 20  # sys too; only the question is computed
+    blend = [r["text"] for r in corpus if r.get("mode") == "blend"]
+    moved = run(server_a, tiny_oracle, RagPrompt("Be brief.", blend, QUESTION, extra={"graphchunk_mode": "blend"}))
+    assert (moved["tier_hits"], moved["blend_tier_hits"], moved["misses"]) == (2, 2, 0)
+
+
+def test_two_live_servers_reuse_each_others_chunks(server_a, server_b, tiny_oracle):
+    mine = docs(3)
+    moved = run(server_a, tiny_oracle, RagPrompt(SYS, mine, QUESTION))
+    assert (moved["misses"], moved["tier_writes"]) == (3, 3)
+    moved = run(server_b, tiny_oracle, RagPrompt(SYS, [mine[2], mine[0], mine[1]], QUESTION))
+    assert (moved["tier_hits"], moved["misses"], moved["tier_rejected"]) == (3, 0, 0)
+    theirs = docs(2)
+    blend = {"graphchunk_mode": "blend", "graphchunk_recompute": "legolink", "graphchunk_recompute_tokens": 4}
+    assert run(server_b, tiny_oracle, RagPrompt("Be brief.", theirs, QUESTION, extra=blend))["misses"] == 2
+    moved = run(server_a, tiny_oracle, RagPrompt("Say it once.", theirs[::-1], QUESTION, extra=blend))
+    assert (moved["blend_tier_hits"], moved["misses"]) == (2, 0)
+
+
+def _rewrite_header(path, change) -> None:
+    """A valid file (checksum recomputed) whose header ``change`` edited: another engine's file."""
+    raw = path.read_bytes()
+    header_len = struct.unpack_from("<I", raw, 8)[0]
+    header = json.loads(raw[12:12 + header_len])
+    change(header)
+    new = json.dumps(header, separators=(",", ":")).encode()
+    body = new + raw[12 + header_len:-16]
+    path.write_bytes(raw[:8] + struct.pack("<I", len(new)) + body + xxhash.xxh3_128_digest(body))
+
+
+def test_bad_tier_files_are_never_served(server_a, server_b, store, tiny_oracle):
+    """Server A computes three documents; their files are then corrupted, truncated and replaced
+    by another model's; server B computes them instead (exact), removes the broken two, leaves
+    the foreign one to its owner and writes its own over all three."""
+    bad = docs(3)
+    files = []
+    for doc in bad:  # one request each, so each new file is known
+        before = tier_files(store)
+        assert run(server_a, tiny_oracle, RagPrompt(SYS, [doc], QUESTION))["misses"] == 1
+        (new,) = tier_files(store) - before
+        files.append(new)
+    raw = bytearray(files[0].read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    files[0].write_bytes(bytes(raw))
+    files[1].write_bytes(files[1].read_bytes()[:-1000])
+    _rewrite_header(files[2], lambda h: h["engine"].update(weights_digest="another model"))
+    moved = run(server_b, tiny_oracle, RagPrompt(SYS, bad, QUESTION))
+    assert (moved["tier_rejected"], moved["tier_hits"], moved["misses"], moved["tier_writes"]) == (3, 0, 3, 3)
+    for path in files:  # B's own files now, complete
+        assert path.exists()
+        assert b"another model" not in path.read_bytes()
+    moved = run(server_a, tiny_oracle, RagPrompt(SYS, bad[::-1], QUESTION))
+    assert moved["tier_rejected"] == 0  # A still holds them in its pool: hits
+    assert moved["hits"] == 3
+
+
+def test_tenants_never_share_tier_entries(server_a, server_b, tiny_oracle):
+    (doc,) = docs(1)
+    assert run(server_a, tiny_oracle, RagPrompt(SYS, [doc], QUESTION), salt="tenant-1")["misses"] == 1
+    moved = run(server_b, tiny_oracle, RagPrompt(SYS, [doc], QUESTION), salt="tenant-2")
+    assert (moved["tier_hits"], moved["misses"]) == (0, 1)
+    moved = run(server_b, tiny_oracle, RagPrompt(SYS, [doc], QUESTION), salt="tenant-1")
+    assert (moved["tier_hits"], moved["misses"]) == (1, 0)
+    moved = run(server_b, tiny_oracle, RagPrompt(SYS, [doc], QUESTION))
+    assert (moved["tier_hits"], moved["misses"]) == (0, 1)
+
+
+def test_no_reference_or_block_leaks(server_a, server_b):
+    for llm in (server_a, server_b):
+        stats = llm.stats()
+        assert stats["pool_refs_held"] == 0 and stats["pool_blocks_leaked"] == 0
+        assert stats["tier_write_errors"] == 0
