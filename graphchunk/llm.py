@@ -138,6 +138,11 @@ class GraphChunkLLM:
         """Chunk-cache metrics of the (first) worker."""
         return self.llm.collective_rpc("graphchunk_stats")[0]
 
+    def reset_pool(self) -> int:
+        """Drops every cached chunk-pool entry (the persistent tier keeps its files); returns how
+        many (first worker). Call it between requests, as vLLM's ``reset_prefix_cache``."""
+        return self.llm.collective_rpc("graphchunk_reset_pool")[0]
+
     def templates_manifest(self) -> dict | None:
         """The captured graph templates (grid, backend, capture time and memory per bucket)."""
         return self.llm.collective_rpc("graphchunk_templates_manifest")[0]

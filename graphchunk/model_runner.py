@@ -112,7 +112,7 @@ class ChunkRunnerMixin(KVDeviceMixin, TemplateHooksMixin):
             kv_layout=f"{type(layer.impl).__name__} block {self.gc_copier.block_shape} in-block {in_block}",
             parallel=f"{_parallel_layout(self.parallel_config)} rank {get_tensor_model_parallel_rank()}")
         tier = ChunkStore(self.gc_config.store_path, self.gc_config.store_bytes, identity, len(self.gc_layers),
-                          self.gc_copier.block_shape, self.gc_metrics)
+                          self.gc_copier.block_shape, self.gc_metrics, all_ranks=_tp_all_ranks())
         logger.info("graphchunk: persistent chunk tier at %s (%.1f of %.1f GiB used)", tier.root,
                     self.gc_metrics.tier_bytes / 2**30, tier.budget / 2**30)
         return tier
@@ -264,6 +264,10 @@ class ChunkRunnerMixin(KVDeviceMixin, TemplateHooksMixin):
             first = begin + max(0, layout.context_len - int(batch.num_computed_tokens_cpu[index]))
             self.positions[first:end] += layout.position_offset
 
+    def graphchunk_reset_pool(self) -> int:
+        """Drops every cached pool entry (between steps none is in use); the tier keeps its files."""
+        return self.gc_cache.pool.clear() if self.gc_cache is not None else 0
+
     def graphchunk_stats(self) -> dict[str, float]:
         if self.gc_cache is not None:
             self.gc_cache.pool.audit()
@@ -309,6 +313,21 @@ def _with_extra_blocks(vllm_config, kv_cache_config, extra: int):
     return dataclasses.replace(grown, kv_cache_layout=kv_cache_config.kv_cache_layout,
                                hash_block_size=kv_cache_config.hash_block_size,
                                cache_hit_alignment_tokens=kv_cache_config.cache_hit_alignment_tokens)
+
+
+def _tp_all_ranks():
+    """With tensor parallelism, ``found -> every rank found`` over the TP group's CPU group."""
+    from vllm.distributed import get_tensor_model_parallel_world_size, get_tp_group
+
+    if get_tensor_model_parallel_world_size() == 1:
+        return None
+    group = get_tp_group().cpu_group
+
+    def all_ranks(found: bool) -> bool:
+        flag = torch.tensor([int(found)], dtype=torch.int32)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=group)
+        return bool(flag.item())
+    return all_ranks
 
 
 def _parallel_layout(parallel_config) -> str:

@@ -110,6 +110,14 @@ class ChunkPool:
     def mark_ready(self, entry: PoolEntry) -> None:
         entry.ready = True
 
+    def clear(self) -> int:
+        """Drops every unused entry (an operator's reset, as vLLM's ``reset_prefix_cache``);
+        entries in use stay. Returns how many were dropped."""
+        unused = list(self._evictable.values())
+        for entry in unused:
+            self._drop(entry)
+        return len(unused)
+
     def _evict(self, key: bytes) -> None:
         self._drop(self._evictable[key])
         self.metrics.evictions += 1

@@ -37,7 +37,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import xxhash
@@ -87,9 +87,13 @@ class StoreIdentity:
 
 class ChunkStore:
     def __init__(self, path: str | Path, budget_bytes: int, identity: StoreIdentity, num_layers: int,
-                 block_shape: Sequence[int], metrics: CacheMetrics | None = None):
-        """``block_shape``: one block of one layer's KV cache, as ``KVCopier.read_blocks`` gives it."""
+                 block_shape: Sequence[int], metrics: CacheMetrics | None = None,
+                 all_ranks: Callable[[bool], bool] | None = None):
+        """``block_shape``: one block of one layer's KV cache, as ``KVCopier.read_blocks`` gives it.
+        ``all_ranks(found)``: whether every tensor-parallel rank found its file (a collective);
+        a rank serves its file only then, since a miss is computed by a forward all ranks join."""
         self.root = Path(path)
+        self.all_ranks = all_ranks
         self.num_layers = num_layers
         self.block_shape = list(block_shape)
         self.budget = budget_bytes
@@ -107,7 +111,16 @@ class ChunkStore:
     # --- read ---------------------------------------------------------------------------------
 
     def load(self, key: bytes, tokens: Sequence[int], mode: str, num_blocks: int) -> torch.Tensor | None:
-        """The entry's payload [layers, blocks, *block], or None (no file, or one not servable)."""
+        """The entry's payload [layers, blocks, *block], or None (no file, or one not servable,
+        here or on another rank)."""
+        data = self._load(key, tokens, mode, num_blocks)
+        if self.all_ranks is not None and not self.all_ranks(data is not None):
+            return None
+        if data is not None:
+            self.metrics.tier_loads += 1
+        return data
+
+    def _load(self, key: bytes, tokens: Sequence[int], mode: str, num_blocks: int) -> torch.Tensor | None:
         path = self.path_of(key)
         start = time.perf_counter()
         try:
@@ -136,7 +149,6 @@ class ChunkStore:
             self._reject(path, exc, inode)
             return None
         _touch(path)
-        self.metrics.tier_loads += 1
         self.metrics.tier_bytes_read += len(raw)
         self.metrics.tier_read_seconds += time.perf_counter() - start
         return data

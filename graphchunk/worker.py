@@ -133,5 +133,8 @@ def make_runner_class() -> type:
         def graphchunk_stats(self) -> dict[str, float]:
             return self.model_runner.graphchunk_stats()
 
+        def graphchunk_reset_pool(self) -> int:
+            return self.model_runner.graphchunk_reset_pool()
+
     Runner.__module__, Runner.__qualname__ = "graphchunk", "Runner"
     return Runner

@@ -27,7 +27,12 @@ DOCS = ["The assert statement is a convenient way to insert debugging assertions
 
 
 @pytest.fixture(scope="module")
-def tp_llm():
+def tp_store(tmp_path_factory):
+    return tmp_path_factory.mktemp("tp-tier")
+
+
+@pytest.fixture(scope="module")
+def tp_llm(tp_store):
     from graphchunk import GraphChunkLLM
 
     saved = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
@@ -35,7 +40,7 @@ def tp_llm():
     try:
         llm = GraphChunkLLM(str(models.tiny_checkpoint("llama3")), dtype="float32", tensor_parallel_size=2,
                             max_model_len=1024, enforce_eager=True, kv_cache_memory_bytes=1 << 27,
-                            block_size=32, graphchunk={"pool_tokens": 4096})
+                            block_size=32, graphchunk={"pool_tokens": 4096, "store_path": str(tp_store)})
     finally:
         if saved is None:
             os.environ.pop("VLLM_CPU_OMP_THREADS_BIND")
@@ -73,3 +78,34 @@ def test_both_modes_match_the_oracle_with_tp2(tp_llm, tiny_oracle):
                 assert_matches_reference(output, blend_reference(tiny_oracle, seg, "legolink:2"), mode)
         assert after["hits"] - before["hits"] == len(DOCS), mode
         assert after["misses"] - before["misses"] == len(DOCS), mode
+
+
+def test_tier_serves_an_entry_only_when_every_rank_has_its_file(tp_llm, tiny_oracle, tp_store):
+    """Each rank stores its heads' share; a miss is computed by a forward both ranks join, so a
+    file rank 1 cannot serve (corrupt) makes both compute that chunk — no hang, exact output."""
+    sys_prompt, question = "Use the documents.", "Which statement is a null operation?"
+    extra_docs = ["The continue statement continues with the next cycle of the nearest enclosing loop.",
+                  "The del statement deletes names, attributes or items."]
+
+    def ask(chunks):
+        prompt = RagPrompt(sys_prompt, chunks, question)
+        before = tp_llm.stats()
+        (output,) = tp_llm.generate([prompt], sampling())
+        assert_matches_oracle(output, split_at(*tp_llm.encode(prompt), **LIMITS), tiny_oracle)
+        after = tp_llm.stats()
+        return {name: after[name] - before[name] for name in ("misses", "hits", "tier_hits", "tier_writes")}
+
+    ask([DOCS[0]])  # stores the sys prompt (and DOCS[0]) on both ranks
+    before = set(tp_store.rglob("*.gckv"))
+    assert ask(extra_docs[:1]) == {"misses": 1, "hits": 0, "tier_hits": 0, "tier_writes": 1}
+    new = sorted(set(tp_store.rglob("*.gckv")) - before)
+    assert [p.name[-8:] for p in new] == ["-r0.gckv", "-r1.gckv"]
+    ask(extra_docs[1:])
+    tp_llm.reset_pool()
+    assert ask([DOCS[0], *extra_docs]) == {"misses": 0, "hits": 0, "tier_hits": 3, "tier_writes": 0}
+    raw = bytearray(new[1].read_bytes())  # rank 1's file of extra_docs[0]
+    raw[len(raw) // 2] ^= 0xFF
+    new[1].write_bytes(bytes(raw))
+    tp_llm.reset_pool()
+    assert ask([extra_docs[1], extra_docs[0], DOCS[0]]) == {"misses": 1, "hits": 0, "tier_hits": 2, "tier_writes": 1}
+    assert all(p.exists() for p in new)  # rank 1 removed its corrupt file and both wrote theirs again
