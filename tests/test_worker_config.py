@@ -86,3 +86,18 @@ def test_a_refused_configuration_raises_in_the_users_process(smollm2_path):
     with pytest.raises(ConfigError, match="graphchunk.pool_tokens=64 is too small"):
         GraphChunkLLM(str(smollm2_path), dtype="float32", enforce_eager=True, kv_cache_memory_bytes=1 << 30,
                       graphchunk={"pool_tokens": 64})
+
+
+def test_store_path_is_checked_at_start_up(tmp_path):
+    from graphchunk import models
+
+    (tmp_path / "a-file").write_bytes(b"")
+    config = vllm_config()
+    config.model_config.model, config.model_config.revision = str(models.tiny_checkpoint("llama3")), None
+    with pytest.raises(ConfigError, match="store_path=.*not a writable directory"):
+        check_config(config, GraphChunkConfig(store_path=str(tmp_path / "a-file" / "tier")))
+    check_config(config, GraphChunkConfig(store_path=str(tmp_path / "tier")))
+    assert (tmp_path / "tier").is_dir()
+    config.model_config.model = "some-org/not-downloaded"
+    with pytest.raises(ConfigError, match="weights on local disk"):
+        check_config(config, GraphChunkConfig(store_path=str(tmp_path / "tier")))
