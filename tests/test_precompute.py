@@ -1,0 +1,39 @@
+"""``graphchunk-precompute``'s corpus reading and its errors (the run itself: tests/test_tier.py)."""
+import json
+
+import pytest
+
+from graphchunk.precompute import main, read_corpus
+
+
+def write(tmp_path, lines):
+    path = tmp_path / "docs.jsonl"
+    path.write_text("\n".join(line if isinstance(line, str) else json.dumps(line) for line in lines) + "\n")
+    return path
+
+
+def test_groups_by_sys_and_mode_in_file_order_once_each(tmp_path):
+    path = write(tmp_path, [{"text": "a"}, {"text": "b", "mode": "blend"}, "", {"text": "a"},
+                            {"text": "c", "sys": "other"}, {"text": "d"}])
+    assert read_corpus(path, "S", "isolated") == {("S", "isolated"): ["a", "d"], ("S", "blend"): ["b"],
+                                                  ("other", "isolated"): ["c"]}
+
+
+@pytest.mark.parametrize("line, message", [
+    ("{not json", "docs.jsonl:2: not JSON"),
+    ({"txt": "a"}, "docs.jsonl:2: each line needs a non-empty string 'text'"),
+    ({"text": ""}, "non-empty string 'text'"),
+    ({"text": "a", "mode": "fast"}, "'mode' isolated or blend"),
+    ({"text": "a", "sys": 3}, "'sys' must be a string"),
+])
+def test_bad_lines_are_named(tmp_path, line, message):
+    with pytest.raises(ValueError, match=message):
+        read_corpus(write(tmp_path, [{"text": "ok"}, line]), "", "isolated")
+
+
+def test_cli_refuses_bad_input_before_starting_an_engine(tmp_path, capsys):
+    assert main(["--store", str(tmp_path / "s"), "--corpus", str(write(tmp_path, ["{bad"]))]) == 2
+    assert "not JSON" in capsys.readouterr().err
+    assert main(["--store", str(tmp_path / "s"), "--corpus", str(write(tmp_path, [""]))]) == 2
+    assert "holds no documents" in capsys.readouterr().err
+    assert main(["--store", str(tmp_path / "s"), "--corpus", str(tmp_path / "missing.jsonl")]) == 2
