@@ -52,6 +52,9 @@ class GraphChunkConfig:
     share; '' keeps chunk KV in the pool only."""
     store_bytes: int = 16 << 30
     """The tier's budget in bytes of files; the least recently used files go first."""
+    host_bytes: int = 0
+    """Budget of the host-memory tier in front of ``store_path`` (``host_tier.py``; pinned on CUDA);
+    0: none."""
 
     def __post_init__(self):
         for name, kind in _TYPES.items():
@@ -66,6 +69,11 @@ class GraphChunkConfig:
                 raise ConfigError(f"graphchunk.{name} must be >= 1, got {getattr(self, name)}")
         if self.eviction not in POLICIES:
             raise ConfigError(f"graphchunk.eviction must be one of {POLICIES}, got {self.eviction!r}")
+        if self.host_bytes < 0:
+            raise ConfigError(f"graphchunk.host_bytes must be >= 0, got {self.host_bytes}")
+        if self.host_bytes and not self.store_path:
+            raise ConfigError("graphchunk.host_bytes is the host-memory tier in front of the persistent tier: "
+                              "set graphchunk.store_path too")
         if self.mode not in MODES:
             raise ConfigError(f"graphchunk.mode must be one of {MODES}, got {self.mode!r}")
         if self.check_layer < 0:
@@ -100,4 +108,5 @@ class GraphChunkConfig:
 
 _TYPES = {"separator": str, "max_chunks": int, "max_chunk_len": int, "pool_tokens": int, "eviction": str,
           "mode": str, "templates": str, "recompute": str, "recompute_ratio": (int, float), "recompute_tokens": int,
-          "check_layer": int, "store_path": str, "store_bytes": int}
+          "check_layer": int, "store_path": str, "store_bytes": int,
+          "host_bytes": int}

@@ -38,6 +38,8 @@ class CacheMetrics:
     tier_read_seconds: float = 0.0
     tier_write_seconds: float = 0.0
     tier_bytes: int = 0
+    tier_host_hits: int = 0
+    tier_host_bytes: int = 0
     pool_refs_held: int = 0
     pool_blocks_leaked: int = 0
 
@@ -77,8 +79,9 @@ COUNTERS = ("lookups", "hits", "misses", "evictions", "tokens_reused", "tokens_c
             "graph_captures", "graph_replays", "graph_fallbacks", "blend_lookups", "blend_hits", "blend_misses",
             "blend_tokens_reused", "blend_tokens_recomputed", "blend_tokens_checked", "blend_tier_hits", "tier_hits", "tier_loads",
             "tier_rejected", "tier_writes", "tier_write_errors", "tier_evictions", "tier_bytes_read",
-            "tier_bytes_written", "tier_read_seconds", "tier_write_seconds")
-GAUGES = ("pool_blocks_used", "pool_blocks_total", "pool_utilization", "hit_rate", "tier_bytes", "pool_refs_held",
+            "tier_bytes_written", "tier_read_seconds", "tier_write_seconds", "tier_host_hits")
+GAUGES = ("pool_blocks_used", "pool_blocks_total", "pool_utilization", "hit_rate", "tier_bytes", "tier_host_bytes",
+          "pool_refs_held",
           "pool_blocks_leaked")
 FIELDS = COUNTERS + GAUGES
 HELP = {
@@ -107,6 +110,8 @@ HELP = {
     "tier_bytes_written": "Bytes written to the tier", "tier_read_seconds": "Time spent loading tier files",
     "tier_write_seconds": "Time spent writing tier files",
     "tier_bytes": "Bytes of tier files in the store directory (as of this server's last count)",
+    "tier_host_hits": "Tier loads served from the host-memory tier (no file read)",
+    "tier_host_bytes": "Bytes of payloads in the host-memory tier",
     "pool_refs_held": "References held on pool entries (0 between steps)",
     "pool_blocks_leaked": "Pool blocks used but owned by no indexed entry (0 between steps)",
 }

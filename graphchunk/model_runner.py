@@ -38,6 +38,7 @@ from graphchunk.rope import KeyRotation
 from graphchunk.runner_device import KVDeviceMixin, decoder_stack
 from graphchunk.runner_templates import TemplateHooksMixin
 from graphchunk.segments import SegmentedPrompt, split_at
+from graphchunk.host_tier import HostTier
 from graphchunk.store import ChunkStore, StoreIdentity, weights_digest
 from graphchunk.templates import GraphTemplates
 
@@ -111,8 +112,10 @@ class ChunkRunnerMixin(KVDeviceMixin, TemplateHooksMixin):
             kv_dtype=str(layer.kv_cache.dtype), block_size=self.cache_config.block_size,
             kv_layout=f"{type(layer.impl).__name__} block {self.gc_copier.block_shape} in-block {in_block}",
             parallel=f"{_parallel_layout(self.parallel_config)} rank {get_tensor_model_parallel_rank()}")
+        host = HostTier(self.gc_config.host_bytes, self.gc_metrics, pin=self.device.type == "cuda") \
+            if self.gc_config.host_bytes else None
         tier = ChunkStore(self.gc_config.store_path, self.gc_config.store_bytes, identity, len(self.gc_layers),
-                          self.gc_copier.block_shape, self.gc_metrics, all_ranks=_tp_all_ranks())
+                          self.gc_copier.block_shape, self.gc_metrics, all_ranks=_tp_all_ranks(), host=host)
         logger.info("graphchunk: persistent chunk tier at %s (%.1f of %.1f GiB used)", tier.root,
                     self.gc_metrics.tier_bytes / 2**30, tier.budget / 2**30)
         return tier

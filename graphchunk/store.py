@@ -22,9 +22,8 @@ entry is computed instead. Files are named by the content key, which covers ``ca
 
 The tier's budget (``store_bytes``) is enforced by whichever server writes: oldest modification
 time first (a hit touches its file), over the whole directory, so servers sharing it share one
-budget. Writes are synchronous within the step (a CPU deployment's KV is host memory already;
-on CUDA/NPU a pinned host-memory tier with overlapped copies would sit between pool and disk —
-not built yet).
+budget. Writes are synchronous within the step. With ``host_bytes``, a host-memory tier
+(``host_tier.py``) in front of the directory keeps recently written or loaded payloads.
 """
 from __future__ import annotations
 
@@ -43,6 +42,7 @@ import torch
 import xxhash
 
 from graphchunk.config import ConfigError
+from graphchunk.host_tier import HostTier
 from graphchunk.metrics import CacheMetrics
 
 logger = logging.getLogger("graphchunk")
@@ -88,11 +88,13 @@ class StoreIdentity:
 class ChunkStore:
     def __init__(self, path: str | Path, budget_bytes: int, identity: StoreIdentity, num_layers: int,
                  block_shape: Sequence[int], metrics: CacheMetrics | None = None,
-                 all_ranks: Callable[[bool], bool] | None = None):
+                 all_ranks: Callable[[bool], bool] | None = None, host: HostTier | None = None):
         """``block_shape``: one block of one layer's KV cache, as ``KVCopier.read_blocks`` gives it.
         ``all_ranks(found)``: whether every tensor-parallel rank found its file (a collective);
-        a rank serves its file only then, since a miss is computed by a forward all ranks join."""
+        a rank serves its file only then, since a miss is computed by a forward all ranks join.
+        ``host``: the host-memory tier in front of the directory (``host_tier.py``)."""
         self.root = Path(path)
+        self.host = host
         self.all_ranks = all_ranks
         self.num_layers = num_layers
         self.block_shape = list(block_shape)
@@ -113,7 +115,11 @@ class ChunkStore:
     def load(self, key: bytes, tokens: Sequence[int], mode: str, num_blocks: int) -> torch.Tensor | None:
         """The entry's payload [layers, blocks, *block], or None (no file, or one not servable,
         here or on another rank)."""
-        data = self._load(key, tokens, mode, num_blocks)
+        data = self.host.get(key, tokens, mode, num_blocks) if self.host else None
+        if data is None:
+            data = self._load(key, tokens, mode, num_blocks)
+            if data is not None and self.host:
+                self.host.put(key, tokens, mode, data)
         if self.all_ranks is not None and not self.all_ranks(data is not None):
             return None
         if data is not None:
@@ -192,6 +198,8 @@ class ChunkStore:
 
     def save(self, key: bytes, tokens: Sequence[int], num_tokens: int, mode: str, data: torch.Tensor) -> None:
         """Writes an entry's payload atomically; a failure is logged and counted, never raised."""
+        if self.host:
+            self.host.put(key, tokens, mode, data)
         start = time.perf_counter()
         path = self.path_of(key)
         payload = data.contiguous().view(torch.uint8).numpy().tobytes() if data.numel() else b""

@@ -15,6 +15,8 @@ import pytest
 import torch
 
 from graphchunk.config import ConfigError
+from graphchunk.host_tier import HostTier
+from graphchunk.metrics import CacheMetrics
 from graphchunk.store import FORMAT_VERSION, ChunkStore, StoreIdentity, prepare_directory, weights_digest
 
 LAYERS, BLOCK = 3, [2, 4, 8]  # a block of one layer: e.g. K/V x block_size x head_size
@@ -207,3 +209,36 @@ def test_weights_digest_follows_the_weights_not_the_path(tmp_path):
     assert weights_digest(str(copy)) != weights_digest(str(original))
     with pytest.raises(ConfigError, match="weights on local disk"):
         weights_digest("no-such-org/no-such-model")
+
+
+# --- the host-memory tier in front of the directory ----------------------------------------------
+
+def test_host_tier_serves_written_and_loaded_entries_without_reading_files(tmp_path):
+    metrics = CacheMetrics()
+    s = ChunkStore(tmp_path, 1 << 30, IDENTITY, LAYERS, BLOCK, metrics, host=HostTier(1 << 20, metrics))
+    s.save(KEY, TOKENS, len(TOKENS), "isolated", payload())
+    s.path_of(KEY).unlink()
+    assert torch.equal(s.load(KEY, TOKENS, "isolated", 2), payload())
+    assert (s.metrics.tier_host_hits, s.metrics.tier_bytes_read) == (1, 0)
+    other = bytes(16)
+    store(tmp_path).save(other, TOKENS, len(TOKENS), "blend", payload(seed=3))  # another server's file
+    assert torch.equal(s.load(other, TOKENS, "blend", 2), payload(seed=3))  # from the file, then kept
+    s.path_of(other).unlink()
+    assert torch.equal(s.load(other, TOKENS, "blend", 2), payload(seed=3))
+    assert s.metrics.tier_host_hits == 2
+    assert s.load(KEY, TOKENS, "blend", 2) is None and s.load(KEY, (1, 2), "isolated", 2) is None
+
+
+def test_host_tier_keeps_the_most_recently_used_within_its_budget():
+    size = payload().numel() * 2
+    host = HostTier(int(size * 2.5))
+    keys = [bytes([i]) * 16 for i in range(3)]
+    host.put(keys[0], TOKENS, "isolated", payload(seed=0))
+    host.put(keys[1], TOKENS, "isolated", payload(seed=1))
+    assert host.get(keys[0], TOKENS, "isolated", 2) is not None  # now the most recent
+    host.put(keys[2], TOKENS, "isolated", payload(seed=2))
+    assert host.get(keys[1], TOKENS, "isolated", 2) is None
+    assert host.get(keys[0], TOKENS, "isolated", 2) is not None and host.get(keys[2], TOKENS, "isolated", 2) is not None
+    assert host.metrics.tier_host_bytes == 2 * size
+    host.put(bytes(16), TOKENS, "isolated", payload(num_blocks=6))  # larger than the budget: not kept
+    assert host.metrics.tier_host_bytes == 2 * size

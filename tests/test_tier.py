@@ -72,10 +72,10 @@ def precomputed(tiny, store, corpus):
     return result
 
 
-def engine(tiny, store):
+def engine(tiny, store, **settings):
     from graphchunk import GraphChunkLLM
 
-    return GraphChunkLLM(tiny, graphchunk={"pool_tokens": 4096, "store_path": str(store)}, **ENGINE)
+    return GraphChunkLLM(tiny, graphchunk={"pool_tokens": 4096, "store_path": str(store), **settings}, **ENGINE)
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +87,7 @@ def server_a(tiny, store, precomputed):
 
 @pytest.fixture(scope="module")
 def server_b(tiny, store, server_a):
-    llm = engine(tiny, store)
+    llm = engine(tiny, store, host_bytes=64 << 20)  # with a host-memory tier in front of the directory
     yield llm
     llm.shutdown()
 
@@ -138,6 +138,10 @@ def test_two_live_servers_reuse_each_others_chunks(server_a, server_b, tiny_orac
     assert (moved["misses"], moved["tier_writes"]) == (3, 3)
     moved = run(server_b, tiny_oracle, RagPrompt(SYS, [mine[2], mine[0], mine[1]], QUESTION))
     assert (moved["tier_hits"], moved["misses"], moved["tier_rejected"]) == (3, 0, 0)
+    assert moved["tier_bytes_read"] > 0
+    server_b.reset_pool()  # the loaded entries stay in B's host-memory tier: no file is read again
+    moved = run(server_b, tiny_oracle, RagPrompt(SYS, [mine[1], mine[2], mine[0]], QUESTION))
+    assert (moved["tier_hits"], moved["tier_host_hits"], moved["tier_bytes_read"]) == (3, 4, 0)
     theirs = docs(2)
     blend = {"graphchunk_mode": "blend", "graphchunk_recompute": "legolink", "graphchunk_recompute_tokens": 4}
     assert run(server_b, tiny_oracle, RagPrompt("Be brief.", theirs, QUESTION, extra=blend))["misses"] == 2
