@@ -57,15 +57,18 @@ class VllmServer:
         with VllmServer(model, dtype="float32", graphchunk={"max_chunks": 8}) as server:
             server.wait_healthy()
             server.post("/v1/completions", {...})
+
+    ``worker_cls=None`` serves with vLLM's own worker (vanilla vLLM, for comparisons).
     """
 
     def __init__(self, model: str | Path, *, dtype: str = "bfloat16", port: int = 0,
                  graphchunk: dict | None = None, flags: list[str] | tuple[str, ...] = tuple(SERVER_FLAGS),
-                 log_path: str | Path | None = None):
+                 log_path: str | Path | None = None, worker_cls: str | None = "graphchunk.Runner"):
         self.model = str(model)
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.args = ["serve", self.model, "--worker-cls", "graphchunk.Runner", "--dtype", dtype,
+        worker = ["--worker-cls", worker_cls] if worker_cls else []
+        self.args = ["serve", self.model, *worker, "--dtype", dtype,
                      "--host", "127.0.0.1", "--port", str(self.port), *flags]
         if graphchunk:
             self.args += ["--additional-config", json.dumps({"graphchunk": graphchunk})]
