@@ -11,7 +11,7 @@ __all__ = ["Runner", "GraphChunkLLM"]
 
 @cache
 def _runner_class():
-    from graphchunk.worker import make_runner_class
+    from graphchunk.engine.worker import make_runner_class
     return make_runner_class()
 
 

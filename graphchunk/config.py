@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from graphchunk.blend import RecomputePolicy
-from graphchunk.eviction import DEFAULT_POLICY, POLICIES
+from graphchunk.blend.recompute import RecomputePolicy
+from graphchunk.cache.eviction import DEFAULT_POLICY, POLICIES
 
 MODES = ("isolated", "blend")
 
@@ -35,7 +35,7 @@ class GraphChunkConfig:
     """Default mode of segmented requests: 'isolated' (exact, DESIGN.md §2) or 'blend' (approximate
     reuse behind any sys prompt at any offset); a request may override it (``graphchunk_mode``)."""
     recompute: str = "legolink"
-    """Blend mode's default recompute policy: 'none', 'cacheblend' or 'legolink' (``blend.py``);
+    """Blend mode's default recompute policy: 'none', 'cacheblend' or 'legolink' (``blend/recompute.py``);
     LegoLink k=4 is the README's recommendation from perf/results/blend_quality.json."""
     recompute_ratio: float = 0.15
     """cacheblend: share of chunk tokens recomputed through every layer, in [0, 1]."""
@@ -48,12 +48,12 @@ class GraphChunkConfig:
     """Graph-template grid captured at start-up: a name in graph_templates/ ('cpu') or a .toml path;
     '' runs every step eager."""
     store_path: str = ""
-    """Directory of the persistent chunk tier below the pool (``store.py``), which servers may
+    """Directory of the persistent chunk tier below the pool (``cache/store.py``), which servers may
     share; '' keeps chunk KV in the pool only."""
     store_bytes: int = 16 << 30
     """The tier's budget in bytes of files; the least recently used files go first."""
     host_bytes: int = 0
-    """Budget of the host-memory tier in front of ``store_path`` (``host_tier.py``; pinned on CUDA);
+    """Budget of the host-memory tier in front of ``store_path`` (``cache/host_tier.py``; pinned on CUDA);
     0: none."""
 
     def __post_init__(self):

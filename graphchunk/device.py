@@ -1,6 +1,6 @@
-"""What the host-side plans (``chunk_cache.py``, ``blend.py``) need from the device.
+"""What the host-side plans (``cache/chunk_cache.py``, ``blend/recompute.py``) need from the device.
 
-The model runner implements ``KVDevice`` (``runner_device.py``); tests implement it with fakes.
+The model runner implements ``KVDevice`` (``engine/runner_device.py``); tests implement it with fakes.
 A ``PseudoSeq`` is an extra forward outside vLLM's scheduler: a miss prefilled into pool blocks,
 or a blend request's recomputed tokens over its own slots.
 """
@@ -40,7 +40,7 @@ class KVDevice(Protocol):
     def copy_slots(self, src_slots: np.ndarray, dst_slots: np.ndarray) -> None: ...
 
     def copy_slots_rotated(self, src_slots: np.ndarray, dst_slots: np.ndarray, deltas: np.ndarray) -> None:
-        """Copies KV moving each key ``deltas`` positions further (``rope.py``); V unchanged."""
+        """Copies KV moving each key ``deltas`` positions further (``blend/rope.py``); V unchanged."""
 
     def read_keys(self, layer: int, slots: np.ndarray) -> torch.Tensor:
         """K of ``slots`` at ``layer``: [n, kv_heads, head_size]."""

@@ -19,7 +19,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np  # noqa: E402
 
 from graphchunk.config import GraphChunkConfig  # noqa: E402
-from graphchunk.frontend import BOUNDARIES_ARG, MODE_ARG, RATIO_ARG, RECOMPUTE_ARG, TOKENS_ARG  # noqa: E402
+from graphchunk.engine.frontend import BOUNDARIES_ARG, MODE_ARG, RATIO_ARG, RECOMPUTE_ARG, TOKENS_ARG  # noqa: E402
 from graphchunk.metrics import new_metrics_file, read_published  # noqa: E402
 
 
@@ -46,8 +46,8 @@ class GraphChunkLLM:
         """``graphchunk``: the settings of ``GraphChunkConfig``; ``llm_kwargs`` go to ``vllm.LLM``."""
         from vllm import LLM
 
-        from graphchunk import models
-        from graphchunk.plugin import register
+        from graphchunk.engine.plugin import register
+        from graphchunk.reference import models
 
         register()  # vLLM loads it from the entry point too; this makes a source checkout work
         self.metrics_file = new_metrics_file()  # this engine's own, inherited by its worker

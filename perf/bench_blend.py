@@ -303,7 +303,7 @@ class Runner:
         return self.encoded[key]
 
     def send(self, setting: Setting, sys_text, docs, question, params):
-        from graphchunk.frontend import BOUNDARIES_ARG
+        from graphchunk.engine.frontend import BOUNDARIES_ARG
 
         ids, bounds = self.encode(sys_text, docs, question)
         prompt = {"prompt_token_ids": list(ids)}
@@ -366,7 +366,8 @@ def run(args, log) -> dict:
     import transformers
     from vllm import SamplingParams
 
-    from graphchunk import GraphChunkLLM, models
+    from graphchunk import GraphChunkLLM
+    from graphchunk.reference import models
 
     model_path = args.model or str(models.smollm2_path())
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_path)

@@ -4,8 +4,8 @@
     python perf/bench_eviction.py --quick               # smoke run, seconds
     python perf/bench_eviction.py --replot              # the plot again from the result file
 
-Drives graphchunk's real ``ChunkPool`` (``graphchunk/pool.py``) with each policy of
-``graphchunk/eviction.py`` on the same trace, no model involved.
+Drives graphchunk's real ``ChunkPool`` (``graphchunk/cache/pool.py``) with each policy of
+``graphchunk/cache/eviction.py`` on the same trace, no model involved.
 
 Trace. A corpus of --docs documents with lognormal lengths (median --median-tokens, sigma
 --sigma, clipped to [--min-tokens, --max-tokens]); document popularity is Zipf with exponent s
@@ -45,8 +45,8 @@ from pathlib import Path
 
 import numpy as np
 
-from graphchunk.eviction import Belady
-from graphchunk.pool import ChunkPool, PoolExhausted
+from graphchunk.cache.eviction import Belady
+from graphchunk.cache.pool import ChunkPool, PoolExhausted
 
 POLICIES = ("lru", "lfu", "gdsf", "gdsf-cost1", "belady")
 NOTE_OBJECTIVE = ("The default policy is chosen on recomputed tokens (the prefill a miss costs); chunk hit rate "

@@ -63,7 +63,7 @@ def prompt(sys_ids, docs, order, question) -> tuple[list[int], list[int]]:
 def timed(llm, ids, bounds):
     from vllm import SamplingParams
 
-    from graphchunk.frontend import BOUNDARIES_ARG
+    from graphchunk.engine.frontend import BOUNDARIES_ARG
 
     params = SamplingParams(max_tokens=1, temperature=0.0, extra_args={BOUNDARIES_ARG: bounds})
     before = llm.stats()
@@ -79,7 +79,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import transformers
 
-    from graphchunk import GraphChunkLLM, models
+    from graphchunk import GraphChunkLLM
+    from graphchunk.reference import models
 
     model = args.model or str(models.smollm2_path())
     tokenizer = transformers.AutoTokenizer.from_pretrained(model)

@@ -264,7 +264,7 @@ def shutdown(engine) -> None:
 def sampling_params(boundaries: list[int] | None):
     from vllm import SamplingParams
 
-    from graphchunk.frontend import BOUNDARIES_ARG
+    from graphchunk.engine.frontend import BOUNDARIES_ARG
 
     extra = {BOUNDARIES_ARG: boundaries} if boundaries is not None else None
     return SamplingParams(max_tokens=1, temperature=0.0, extra_args=extra)
@@ -491,7 +491,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import transformers
 
-    from graphchunk import models
+    from graphchunk.reference import models
 
     model_path = args.model or str(models.smollm2_path())
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_path)

@@ -25,7 +25,7 @@ RESULTS: dict[str, list[float]] = {}
 
 @pytest.fixture(scope="module")
 def model_path():
-    from graphchunk import models
+    from graphchunk.reference import models
 
     return str(models.smollm2_path())
 

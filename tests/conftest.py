@@ -8,8 +8,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from graphchunk import models  # noqa: E402
-from graphchunk.oracle import Oracle  # noqa: E402
+from graphchunk.reference import models  # noqa: E402
+from graphchunk.reference.oracle import Oracle  # noqa: E402
 
 
 # --- models -------------------------------------------------------------------------------------

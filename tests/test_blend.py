@@ -10,12 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from graphchunk import blend
-from graphchunk.blend import RecomputePolicy, cacheblend_tokens, legolink_tokens, runs
-from graphchunk.chunk_cache import ChunkCache, ScheduledPrompt
-from graphchunk.keys import KeySpace
+from graphchunk.blend.recompute import RecomputePolicy, cacheblend_tokens, legolink_tokens, recompute, runs
+from graphchunk.cache.chunk_cache import ChunkCache, ScheduledPrompt
+from graphchunk.cache.keys import KeySpace
+from graphchunk.cache.pool import ChunkPool
 from graphchunk.metrics import CacheMetrics
-from graphchunk.pool import ChunkPool
 from graphchunk.segments import split_at
 from test_chunk_cache import BS, FakeDevice, make_prompt, request_blocks
 
@@ -176,7 +175,7 @@ def test_recompute_forwards_respect_the_token_budget():
     a = make_prompt(3, [5, 6])
     device = BlendDevice()
     prompt = scheduled(a, RecomputePolicy("cacheblend", 1.0))
-    blend.recompute([prompt], device, check_layer=1, budget=4, block_size=BS, metrics=CacheMetrics())
+    recompute([prompt], device, check_layer=1, budget=4, block_size=BS, metrics=CacheMetrics())
     assert [c[1] for c in device.calls] == [[(3, 7)], [(7, 11)], [(11, 14)]]
 
 
@@ -186,7 +185,7 @@ def test_worker_runs_blend_as_full_prefill_where_it_cannot_blend():
     from types import SimpleNamespace
 
     from graphchunk.config import GraphChunkConfig
-    from graphchunk.model_runner import ChunkRunnerMixin
+    from graphchunk.engine.model_runner import ChunkRunnerMixin
 
     args = {"graphchunk_recompute": "cacheblend", "graphchunk_recompute_ratio": 0.3, "graphchunk_recompute_tokens": 4}
     runner = SimpleNamespace(gc_config=GraphChunkConfig(), gc_rotation=object(), gc_check_refusal=None)

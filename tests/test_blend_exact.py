@@ -14,7 +14,7 @@ import pytest
 
 from exactness import (FIRST_TOKEN_TOL, LIMITS, LOGPROB_TOL, MEASURED, TextSource, assert_matches_oracle, assert_matches_reference, blend_reference,
                        sampling, text_sources)
-from graphchunk.frontend import BOUNDARIES_ARG
+from graphchunk.engine.frontend import BOUNDARIES_ARG
 from graphchunk.llm import RagPrompt
 from graphchunk.segments import split_at
 

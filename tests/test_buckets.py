@@ -5,12 +5,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from graphchunk.buckets import AXES, Bucket, RequestShape, load_grid, parse_grid
 from graphchunk.config import ConfigError
-from graphchunk.graph_backends import ReplayMiss, make_backend
+from graphchunk.engine.worker import check_grid
+from graphchunk.graphs.buckets import AXES, Bucket, RequestShape, load_grid, parse_grid
+from graphchunk.graphs.graph_backends import ReplayMiss, make_backend
+from graphchunk.graphs.templates import GraphTemplates, TemplateCaptureError
 from graphchunk.metrics import CacheMetrics
-from graphchunk.templates import GraphTemplates, TemplateCaptureError
-from graphchunk.worker import check_grid
 
 GRID = {"backend": "compile", "grid": {"batch": [1, 2], "num_chunks": [2, 8], "max_chunk_len": [128, 384],
                                        "max_sys_len": [96], "question_tokens": [16, 32]}}

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from graphchunk.chunk_cache import ChunkCache, PseudoSeq, ScheduledPrompt, split_forward_batches
-from graphchunk.keys import KeySpace
-from graphchunk.pool import ChunkPool, PoolExhausted
+from graphchunk.cache.chunk_cache import ChunkCache, PseudoSeq, ScheduledPrompt, split_forward_batches
+from graphchunk.cache.keys import KeySpace
+from graphchunk.cache.pool import ChunkPool, PoolExhausted
 from graphchunk.segments import split_at
 
 BS = 4

@@ -6,8 +6,8 @@ from collections import OrderedDict
 
 import pytest
 
-from graphchunk.eviction import POLICIES, Belady, make_policy
-from graphchunk.pool import ChunkPool, PoolExhausted
+from graphchunk.cache.eviction import POLICIES, Belady, make_policy
+from graphchunk.cache.pool import ChunkPool, PoolExhausted
 
 
 def key(i: int) -> bytes:

@@ -5,8 +5,8 @@ import pytest
 from vllm import SamplingParams
 
 from graphchunk.config import GraphChunkConfig
-from graphchunk.frontend import (BOUNDARIES_ARG, MODE_ARG, RATIO_ARG, RECOMPUTE_ARG, SALT_ARG, TOKENS_ARG,
-                                 RequestAnnotator, is_graphchunk_worker, json_boolean_problem, layout_fingerprint)
+from graphchunk.engine.frontend import (BOUNDARIES_ARG, MODE_ARG, RATIO_ARG, RECOMPUTE_ARG, SALT_ARG, TOKENS_ARG,
+                                        RequestAnnotator, is_graphchunk_worker, json_boolean_problem, layout_fingerprint)
 from graphchunk.segments import SegmentationError
 
 
@@ -239,7 +239,7 @@ def test_server_hook_rejects_json_booleans_for_graphchunk_engines_only(worker_cl
 
     from vllm.entrypoints.generate.base.serving import GenerateBaseServing
 
-    from graphchunk import plugin
+    from graphchunk.engine import plugin
 
     plugin._guard_json_booleans()
     plugin._guard_json_booleans()  # idempotent: wrapped once

@@ -1,4 +1,4 @@
-from graphchunk.keys import KeySpace, chunk_key, sys_key
+from graphchunk.cache.keys import KeySpace, chunk_key, sys_key
 
 SPACE = KeySpace(model="smollm2", dtype="float32")
 

@@ -5,7 +5,7 @@ import torch
 from vllm import _custom_ops as ops
 from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-from graphchunk.kv_slots import KVCopier, KVSlotMap, _runs
+from graphchunk.cache.kv_slots import KVCopier, KVSlotMap, _runs
 
 BS, HEADS, DIM, BLOCKS, LAYERS = 32, 3, 64, 8, 4
 
@@ -70,7 +70,7 @@ def test_runs_split_at_breaks_and_block_edges():
 def test_rotated_copy_equals_writing_rotated_keys_at_the_destination(dtype, shared, strided):
     """Blend mode's copy: K rotated by each slot's delta, V as is, in every layer; read_keys reads
     back what was written."""
-    from graphchunk.rope import KeyRotation
+    from graphchunk.blend.rope import KeyRotation
 
     write_kv = write(dtype)
     slot_map = cpu_slot_map(write_kv, dtype)

@@ -7,7 +7,7 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from graphchunk import models
+from graphchunk.reference import models
 
 
 def fail_download(*args, **kwargs):

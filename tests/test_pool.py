@@ -3,8 +3,8 @@ import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from graphchunk.cache.pool import ChunkPool, PoolExhausted
 from graphchunk.metrics import CacheMetrics
-from graphchunk.pool import ChunkPool, PoolExhausted
 
 
 def key(i: int) -> bytes:

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from graphchunk.precompute import main, read_corpus
+from graphchunk.tools.precompute import main, read_corpus
 
 
 def write(tmp_path, lines):

@@ -1,4 +1,4 @@
-"""KeyRotation (graphchunk/rope.py): moving cached K by R(delta) equals computing it at the new position.
+"""KeyRotation (graphchunk/blend/rope.py): moving cached K by R(delta) equals computing it at the new position.
 
 Oracle: HF transformers (eager, fp32) computing a chunk alone at positions a..a+L-1; the rotation
 comes from vLLM's own rotary module for the same config (``get_rope``), as blend mode builds it.
@@ -7,9 +7,9 @@ import pytest
 import torch
 import transformers
 
-from graphchunk import models
+from graphchunk.blend.rope import KeyRotation
 from graphchunk.config import ConfigError
-from graphchunk.rope import KeyRotation
+from graphchunk.reference import models
 
 L = 40
 

@@ -17,7 +17,7 @@ import pytest
 from conftest import GC_LLM_BLOCK_SIZE, GC_LLM_MAX_BATCHED_TOKENS
 from exactness import (FIRST_TOKEN_TOL, LIMITS, LOGPROB_TOL, MEASURED, assert_matches_oracle,
                        make_splitter, run, sampling, sep_prompt, text_sources)
-from graphchunk.frontend import BOUNDARIES_ARG, layout_fingerprint
+from graphchunk.engine.frontend import BOUNDARIES_ARG, layout_fingerprint
 from graphchunk.llm import RagPrompt
 from graphchunk.segments import SegmentedPrompt, split_at
 

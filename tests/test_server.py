@@ -1,17 +1,17 @@
 """End to end through vLLM's OpenAI server: ``vllm serve MODEL --worker-cls graphchunk.Runner``.
 
 One server (SmolLM2-135M, fp32, eager) for the module; answers are compared token for token with
-the HF oracle (``graphchunk.oracle``) on the segmentation graphchunk documents, bad input must
+the HF oracle (``graphchunk.reference.oracle``) on the segmentation graphchunk documents, bad input must
 come back as a 4xx naming the problem, and the server must keep answering correctly afterwards.
 """
 import pytest
 from pydoc_data.topics import topics
 
 from conftest import GC_LLM_TEMPLATES
-from graphchunk.buckets import load_grid
+from graphchunk.graphs.buckets import load_grid
 from graphchunk.layout import Layout
 from graphchunk.segments import SeparatorSplitter
-from graphchunk.serve_demo import SERVER_FLAGS, VllmServer
+from graphchunk.tools.serve_demo import SERVER_FLAGS, VllmServer
 
 pytestmark = pytest.mark.slow
 

@@ -1,5 +1,5 @@
 """The persistent chunk tier's files: round trip, every fault a file can have, concurrent writers,
-the budget, and the model identity (``graphchunk/store.py``)."""
+the budget, and the model identity (``graphchunk/cache/store.py``)."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,10 +14,10 @@ from multiprocessing import get_context
 import pytest
 import torch
 
+from graphchunk.cache.host_tier import HostTier
+from graphchunk.cache.store import FORMAT_VERSION, ChunkStore, StoreIdentity, prepare_directory, weights_digest
 from graphchunk.config import ConfigError
-from graphchunk.host_tier import HostTier
 from graphchunk.metrics import CacheMetrics
-from graphchunk.store import FORMAT_VERSION, ChunkStore, StoreIdentity, prepare_directory, weights_digest
 
 LAYERS, BLOCK = 3, [2, 4, 8]  # a block of one layer: e.g. K/V x block_size x head_size
 IDENTITY = StoreIdentity(model_path="/models/m", weights_digest="d1", kv_dtype="torch.bfloat16",
@@ -197,7 +197,7 @@ def test_unwritable_store_path_is_a_config_error(tmp_path):
 
 
 def test_weights_digest_follows_the_weights_not_the_path(tmp_path):
-    from graphchunk import models
+    from graphchunk.reference import models
 
     original = models.tiny_checkpoint("llama3")
     copy = tmp_path / "copy"

@@ -19,8 +19,8 @@ import pytest
 from conftest import GC_LLM_TEMPLATES
 from exactness import (FIRST_TOKEN_TOL, LIMITS, LOGPROB_TOL, TOP_LOGPROBS, TextSource, assert_matches_oracle,
                        sampling)
-from graphchunk.buckets import Bucket, RequestShape, load_grid
-from graphchunk.frontend import BOUNDARIES_ARG
+from graphchunk.engine.frontend import BOUNDARIES_ARG
+from graphchunk.graphs.buckets import Bucket, RequestShape, load_grid
 from graphchunk.segments import split_at
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_oracle_thread")]

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from exactness import LIMITS, assert_matches_oracle, assert_matches_reference, blend_reference, sampling
-from graphchunk import models
 from graphchunk.llm import RagPrompt
-from graphchunk.oracle import Oracle
+from graphchunk.reference import models
+from graphchunk.reference.oracle import Oracle
 from graphchunk.segments import split_at
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_oracle_thread")]

@@ -19,9 +19,9 @@ import xxhash
 from pydoc_data.topics import topics
 
 from exactness import LIMITS, assert_matches_oracle, assert_matches_reference, blend_reference, sampling
-from graphchunk import models
 from graphchunk.llm import RagPrompt
-from graphchunk.oracle import Oracle
+from graphchunk.reference import models
+from graphchunk.reference.oracle import Oracle
 from graphchunk.segments import split_at
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_oracle_thread")]
@@ -64,7 +64,7 @@ def corpus(tmp_path_factory):
 def precomputed(tiny, store, corpus):
     path, _ = corpus
     result = subprocess.run(
-        [sys.executable, "-m", "graphchunk.precompute", "--model", tiny, "--store", str(store), "--corpus", str(path),
+        [sys.executable, "-m", "graphchunk.tools.precompute", "--model", tiny, "--store", str(store), "--corpus", str(path),
          "--sys", SYS, "--dtype", "float32", "--block-size", "32", "--max-model-len", "1024",
          "--kv-cache-memory-bytes", str(1 << 27)],
         capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)

@@ -1,11 +1,11 @@
-"""``graphchunk-warmup`` end to end (``python -m graphchunk.warmup``) on a tiny checkpoint."""
+"""``graphchunk-warmup`` end to end (``python -m graphchunk.tools.warmup``) on a tiny checkpoint."""
 import json
 import subprocess
 import sys
 
 import pytest
 
-from graphchunk import models
+from graphchunk.reference import models
 
 TINY_GRID = """
 backend = "compile"
@@ -19,7 +19,7 @@ question_tokens = [8, 16]
 
 
 def warmup(*args, timeout=900):
-    return subprocess.run([sys.executable, "-m", "graphchunk.warmup", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "graphchunk.tools.warmup", *args], capture_output=True, text=True,
                           timeout=timeout)
 
 

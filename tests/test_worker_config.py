@@ -4,7 +4,7 @@ from types import SimpleNamespace
 import pytest
 
 from graphchunk.config import ConfigError, GraphChunkConfig
-from graphchunk.worker import check_config
+from graphchunk.engine.worker import check_config
 
 
 def vllm_config(**overrides):
@@ -62,7 +62,7 @@ def test_graphchunk_engines_select_the_v1_model_runner(monkeypatch):
     from vllm import envs
     from vllm.config import ParallelConfig, VllmConfig
 
-    from graphchunk.plugin import register
+    from graphchunk.engine.plugin import register
 
     register()
     monkeypatch.setattr(vllm_config_module, "HAS_TRITON", True)
@@ -89,7 +89,7 @@ def test_a_refused_configuration_raises_in_the_users_process(smollm2_path):
 
 
 def test_store_path_is_checked_at_start_up(tmp_path):
-    from graphchunk import models
+    from graphchunk.reference import models
 
     (tmp_path / "a-file").write_bytes(b"")
     config = vllm_config()

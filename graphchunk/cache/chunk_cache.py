@@ -14,8 +14,8 @@ For every segmented request whose scheduled range ``[start, end)`` overlaps its 
 
 Blend requests (``ScheduledPrompt.policy`` set, DESIGN.md §2) differ in step 1 and 2 only: a
 chunk's entry is computed alone at positions [0, L), keyed without sys, and copied with its keys
-rotated to the chunk's offset; afterwards ``blend.recompute`` gives the tokens the request's policy
-picks fresh KV over the request's own slots.
+rotated to the chunk's offset; afterwards ``recompute`` (``blend/recompute.py``) gives the tokens
+the request's policy picks fresh KV over the request's own slots.
 
 With a persistent tier (``store.py``), a pool miss is first looked up there: an entry the tier
 holds is loaded into its pool blocks (before anything of the group is computed, so a loaded sys
@@ -34,13 +34,12 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from graphchunk import blend
-from graphchunk.blend import RecomputePolicy
+from graphchunk.blend.recompute import RecomputePolicy, recompute
+from graphchunk.cache.keys import KeySpace, chunk_key, sys_key
+from graphchunk.cache.pool import ChunkPool, PoolEntry, PoolExhausted
+from graphchunk.cache.store import ChunkStore
 from graphchunk.device import KVDevice, PseudoSeq, slots_of, split_forward_batches  # noqa: F401 (re-exported)
-from graphchunk.keys import KeySpace, chunk_key, sys_key
-from graphchunk.pool import ChunkPool, PoolEntry, PoolExhausted
 from graphchunk.segments import SegmentedPrompt
-from graphchunk.store import ChunkStore
 
 
 @dataclass
@@ -133,8 +132,8 @@ class ChunkCache:
         self._run(group, device)
         blended = [p for p in prompts if p.policy is not None]
         if blended:
-            blend.recompute(blended, device, check_layer=self.check_layer, budget=self.max_forward_tokens,
-                            block_size=self.block_size, metrics=self.metrics)
+            recompute(blended, device, check_layer=self.check_layer, budget=self.max_forward_tokens,
+                      block_size=self.block_size, metrics=self.metrics)
 
     # --- plan ---------------------------------------------------------------------------------
 

@@ -12,11 +12,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import transformers  # noqa: E402
 
-from graphchunk import models  # noqa: E402
+from graphchunk.cache.keys import KeySpace, chunk_key  # noqa: E402
+from graphchunk.cache.pool import ChunkPool  # noqa: E402
 from graphchunk.config import GraphChunkConfig  # noqa: E402
-from graphchunk.keys import KeySpace, chunk_key  # noqa: E402
-from graphchunk.oracle import Oracle  # noqa: E402
-from graphchunk.pool import ChunkPool  # noqa: E402
+from graphchunk.reference import models  # noqa: E402
+from graphchunk.reference.oracle import Oracle  # noqa: E402
 from graphchunk.segments import SegmentedPrompt, SeparatorSplitter  # noqa: E402
 
 SYS = "You answer questions using only the documents."

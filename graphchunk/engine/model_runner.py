@@ -25,22 +25,22 @@ import os
 import torch
 import xxhash
 
-from graphchunk.blend import RecomputePolicy
-from graphchunk.buckets import Bucket, RequestShape, load_grid
-from graphchunk.chunk_cache import ChunkCache, ScheduledPrompt
+from graphchunk.blend.recompute import RecomputePolicy
+from graphchunk.blend.rope import KeyRotation
+from graphchunk.cache.chunk_cache import ChunkCache, ScheduledPrompt
+from graphchunk.cache.host_tier import HostTier
+from graphchunk.cache.keys import KeySpace
+from graphchunk.cache.kv_slots import KVCopier, KVSlotMap
+from graphchunk.cache.pool import ChunkPool
+from graphchunk.cache.store import ChunkStore, StoreIdentity, weights_digest
 from graphchunk.config import ConfigError, GraphChunkConfig
-from graphchunk.frontend import BOUNDARIES_ARG, MODE_ARG, RATIO_ARG, RECOMPUTE_ARG, SALT_ARG, TOKENS_ARG
-from graphchunk.keys import KeySpace
-from graphchunk.kv_slots import KVCopier, KVSlotMap
+from graphchunk.engine.frontend import BOUNDARIES_ARG, MODE_ARG, RATIO_ARG, RECOMPUTE_ARG, SALT_ARG, TOKENS_ARG
+from graphchunk.engine.runner_device import KVDeviceMixin, decoder_stack
+from graphchunk.engine.runner_templates import TemplateHooksMixin
+from graphchunk.graphs.buckets import Bucket, RequestShape, load_grid
+from graphchunk.graphs.templates import GraphTemplates
 from graphchunk.metrics import METRICS_FILE_ENV, CacheMetrics, MetricsPublisher
-from graphchunk.pool import ChunkPool
-from graphchunk.rope import KeyRotation
-from graphchunk.runner_device import KVDeviceMixin, decoder_stack
-from graphchunk.runner_templates import TemplateHooksMixin
 from graphchunk.segments import SegmentedPrompt, split_at
-from graphchunk.host_tier import HostTier
-from graphchunk.store import ChunkStore, StoreIdentity, weights_digest
-from graphchunk.templates import GraphTemplates
 
 logger = logging.getLogger("graphchunk")
 
@@ -121,7 +121,7 @@ class ChunkRunnerMixin(KVDeviceMixin, TemplateHooksMixin):
         return tier
 
     def _bind_blend(self) -> None:
-        """Blend mode needs keys it can move (``rope.py``); CacheBlend also a decoder whose layer
+        """Blend mode needs keys it can move (``blend/rope.py``); CacheBlend also a decoder whose layer
         range can be narrowed. Without them blend is refused at start-up when it is the default
         mode; the API process refuses blend requests from the model's config (``hf_rope_refusal``),
         and a blend request that still arrives here runs as a full prefill — exactly blend's target."""

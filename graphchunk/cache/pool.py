@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from graphchunk.eviction import DEFAULT_POLICY, EvictionPolicy, make_policy
+from graphchunk.cache.eviction import DEFAULT_POLICY, EvictionPolicy, make_policy
 from graphchunk.metrics import CacheMetrics
 
 

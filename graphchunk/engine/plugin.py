@@ -45,7 +45,7 @@ def _check_config_before_start() -> None:
     initialization failed" (the worker checks again; it also serves configs built elsewhere)."""
     from vllm.engine.arg_utils import EngineArgs
 
-    from graphchunk.frontend import is_graphchunk_worker
+    from graphchunk.engine.frontend import is_graphchunk_worker
 
     original = EngineArgs.create_engine_config
     if getattr(original, "_graphchunk", False):
@@ -55,7 +55,7 @@ def _check_config_before_start() -> None:
         config = original(self, *args, **kwargs)
         if is_graphchunk_worker(config.parallel_config.worker_cls):
             from graphchunk.config import GraphChunkConfig
-            from graphchunk.worker import check_config
+            from graphchunk.engine.worker import check_config
 
             check_config(config, GraphChunkConfig.from_additional_config(config.additional_config))
         return config
@@ -74,7 +74,7 @@ def _select_v1_model_runner() -> None:
     API process and in every worker alike: all of them load this plugin before building a config."""
     from vllm.config import VllmConfig
 
-    from graphchunk.frontend import is_graphchunk_worker
+    from graphchunk.engine.frontend import is_graphchunk_worker
 
     original = VllmConfig._get_v2_model_runner_unsupported_features
     if getattr(original, "_graphchunk", False):
@@ -130,7 +130,7 @@ async def _json_boolean_problem(serving, raw_request) -> str | None:
         return None
     serves_graphchunk = getattr(serving, "_graphchunk_engine", None)
     if serves_graphchunk is None:
-        from graphchunk.frontend import is_graphchunk_worker
+        from graphchunk.engine.frontend import is_graphchunk_worker
 
         config = getattr(getattr(serving, "engine_client", None), "vllm_config", None)
         worker_cls = getattr(getattr(config, "parallel_config", None), "worker_cls", None)
@@ -142,7 +142,7 @@ async def _json_boolean_problem(serving, raw_request) -> str | None:
         body = await raw_request.json()  # cached: FastAPI parsed the body with it
     except Exception:  # not JSON: FastAPI has already answered such requests
         return None
-    from graphchunk.frontend import json_boolean_problem
+    from graphchunk.engine.frontend import json_boolean_problem
 
     return json_boolean_problem(body)
 
@@ -167,9 +167,9 @@ def _request_error_class() -> type:
 def _annotator(processor):
     annotator = getattr(processor, _ANNOTATOR, None)
     if annotator is None:
+        from graphchunk.blend.rope import hf_rope_refusal
         from graphchunk.config import GraphChunkConfig
-        from graphchunk.frontend import RequestAnnotator, is_graphchunk_worker
-        from graphchunk.rope import hf_rope_refusal
+        from graphchunk.engine.frontend import RequestAnnotator, is_graphchunk_worker
 
         config = processor.vllm_config
         annotator = False

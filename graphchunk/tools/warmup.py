@@ -1,7 +1,7 @@
 """Captures every bucket of a graph-template grid for a model, ahead of traffic, and writes a manifest.
 
     graphchunk-warmup --templates cpu [--model PATH] [--manifest templates-manifest.json]
-    python -m graphchunk.warmup --templates graph_templates/cpu.toml --dtype float32
+    python -m graphchunk.tools.warmup --templates graph_templates/cpu.toml --dtype float32
 
 It starts the engine the server would start (``GraphChunkLLM`` with ``graphchunk.templates``),
 which captures with a progress bar, then prints capture time and memory per bucket and writes
@@ -33,9 +33,10 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from graphchunk import GraphChunkLLM, models
-    from graphchunk.buckets import load_grid
+    from graphchunk import GraphChunkLLM
     from graphchunk.config import ConfigError
+    from graphchunk.graphs.buckets import load_grid
+    from graphchunk.reference import models
 
     try:
         grid = load_grid(args.templates)  # a bad spec fails here, before an engine starts

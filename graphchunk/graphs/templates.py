@@ -17,8 +17,8 @@ from typing import Any, Callable
 
 import torch
 
-from graphchunk.buckets import Bucket, BucketGrid, RequestShape
-from graphchunk.graph_backends import Forward, ReplayMiss, make_backend
+from graphchunk.graphs.buckets import Bucket, BucketGrid, RequestShape
+from graphchunk.graphs.graph_backends import Forward, ReplayMiss, make_backend
 from graphchunk.metrics import CacheMetrics
 
 logger = logging.getLogger("graphchunk")

@@ -19,7 +19,7 @@ import json
 import numpy as np
 import xxhash
 
-from graphchunk.blend import POLICIES, RecomputePolicy
+from graphchunk.blend.recompute import POLICIES, RecomputePolicy
 from graphchunk.config import MODES, GraphChunkConfig
 from graphchunk.segments import SegmentationError, SegmentedPrompt, SeparatorSplitter, split_at
 

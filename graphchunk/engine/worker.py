@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import logging
 
-from graphchunk.buckets import BucketGrid, load_grid
+from graphchunk.blend.rope import hf_rope_refusal
+from graphchunk.cache.store import prepare_directory, weights_digest
 from graphchunk.config import ConfigError, GraphChunkConfig
-from graphchunk.model_runner import chunk_runner_class
-from graphchunk.rope import hf_rope_refusal
-from graphchunk.store import prepare_directory, weights_digest
+from graphchunk.engine.model_runner import chunk_runner_class
+from graphchunk.graphs.buckets import BucketGrid, load_grid
 
 logger = logging.getLogger("graphchunk")
 

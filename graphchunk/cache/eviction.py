@@ -40,7 +40,7 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
-    from graphchunk.pool import PoolEntry
+    from graphchunk.cache.pool import PoolEntry
 
 POLICIES = ("lru", "lfu", "gdsf")
 DEFAULT_POLICY = "gdsf"

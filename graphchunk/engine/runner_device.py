@@ -13,9 +13,9 @@ import contextlib
 import numpy as np
 import torch
 
+from graphchunk.cache.kv_slots import KVCopier
 from graphchunk.config import ConfigError
 from graphchunk.device import PseudoSeq, slots_of
-from graphchunk.kv_slots import KVCopier
 
 
 class KVDeviceMixin:

@@ -1,0 +1,1 @@
+"""The command-line programs of ``[project.scripts]`` (``graphchunk-model`` is ``reference/models.py``)."""
