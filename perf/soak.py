@@ -30,7 +30,7 @@ One run, in this order:
    /metrics (``graphchunk_pool_refs_held`` and ``graphchunk_pool_blocks_leaked`` must be 0), the
    server process tree's RSS against its post-warm-up RSS (``--rss-factor``), the tier's bytes on
    disk against its budget. Then a sample of completed requests (``--check``; the canaries and
-   the final request always) is checked token for token against ``graphchunk.oracle`` (isolated
+   the final request always) is checked token for token against ``graphchunk.reference.oracle`` (isolated
    mode, HF transformers): a mismatch counts as wrong unless the oracle's own logprob gap between
    its token and the server's at the first difference is below ``--tie-tol`` (a float near-tie,
    counted apart as ``near_ties``).
@@ -74,7 +74,7 @@ for path in (str(REPO), str(PERF)):
     if path not in sys.path:
         sys.path.insert(0, path)
 
-from graphchunk.serve_demo import free_port  # noqa: E402
+from graphchunk.tools.serve_demo import free_port  # noqa: E402
 from soak_check import check  # noqa: E402
 from soak_client import Client, Dispatcher, Estimates, Outcome, client_threads, count_statuses  # noqa: E402
 from soak_faults import Faults  # noqa: E402
@@ -272,7 +272,7 @@ class Soak:
 
 
 def resolve_model(name: str) -> Path:
-    from graphchunk import models
+    from graphchunk.reference import models
 
     if name == "smollm2":
         return models.smollm2_path()

@@ -1,4 +1,4 @@
-"""The soak's correctness check: completed requests against ``graphchunk.oracle``, token for token.
+"""The soak's correctness check: completed requests against ``graphchunk.reference.oracle``, token for token.
 
 ``check()`` takes a sample of the completed trace requests (``--check`` of them, seeded; the
 first five after the restart always) plus every completed tagged request (canaries, final),
@@ -25,7 +25,7 @@ def check(outcomes: list[Outcome], extra_outcomes: list[Outcome], restart_at: in
     """The oracle report of ``outcomes`` (the trace's) and ``extra_outcomes`` (the tagged ones)."""
     import torch
 
-    from graphchunk.oracle import Oracle
+    from graphchunk.reference.oracle import Oracle
     from graphchunk.segments import SeparatorSplitter
 
     sample = _sample(outcomes, [o for o in extra_outcomes if o.status == "ok"], restart_at, args)

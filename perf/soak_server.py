@@ -22,7 +22,7 @@ import threading
 import time
 from pathlib import Path
 
-from graphchunk.serve_demo import SERVER_FLAGS, VllmServer
+from graphchunk.tools.serve_demo import SERVER_FLAGS, VllmServer
 
 TIER_SUFFIX = ".gckv"
 LEAK_GAUGES = ("graphchunk_pool_refs_held", "graphchunk_pool_blocks_leaked")
