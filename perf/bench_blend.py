@@ -143,16 +143,10 @@ def parse_settings(spec: str) -> list[Setting]:
 # --- task -----------------------------------------------------------------------------------------
 
 def corpus_paragraphs() -> list[str]:
-    """As tests/conftest.py's ``paragraphs``: help topics, whitespace collapsed, '#' removed."""
-    from pydoc_data.topics import topics
+    """Paragraphs of CPython's help topics, as the tests read them (``reference.text``)."""
+    from graphchunk.reference.text import help_paragraphs
 
-    found = []
-    for name in sorted(topics):
-        for paragraph in topics[name].replace("#", "").split("\n\n"):
-            text = " ".join(paragraph.split())
-            if len(text) >= 200 and text.isascii():
-                found.append(text)
-    return found
+    return help_paragraphs()
 
 
 SENTENCE_END = re.compile(r"(?<=[.!?])\s+")

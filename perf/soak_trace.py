@@ -29,17 +29,10 @@ ACTIONS = ("complete", "abort_stream", "abort_prefill", "abort_nostream")
 # --- text ---------------------------------------------------------------------------------------
 
 def paragraphs() -> list[str]:
-    """Paragraphs of CPython's help topics, as tests/conftest.py's fixture: whitespace collapsed,
-    '#' removed (no separator inside), ASCII, at least 200 characters, in a fixed order."""
-    from pydoc_data.topics import topics
+    """Paragraphs of CPython's help topics, as the tests read them (``reference.text``)."""
+    from graphchunk.reference.text import help_paragraphs
 
-    found = []
-    for name in sorted(topics):
-        for paragraph in topics[name].replace("#", "").split("\n\n"):
-            text = " ".join(paragraph.split())
-            if len(text) >= 200 and text.isascii():
-                found.append(text)
-    return found
+    return help_paragraphs()
 
 
 @dataclass

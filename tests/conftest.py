@@ -51,17 +51,10 @@ def one_oracle_thread():
 
 @pytest.fixture(scope="session")
 def paragraphs():
-    """Paragraphs of CPython's help topics (``pydoc_data.topics``), whitespace collapsed and '#'
-    removed (so that no separator occurs in them), in a fixed order; each at least 200 characters."""
-    from pydoc_data.topics import topics
+    """Paragraphs of CPython's help topics (``graphchunk.reference.text``)."""
+    from graphchunk.reference.text import help_paragraphs
 
-    found = []
-    for name in sorted(topics):
-        for paragraph in topics[name].replace("#", "").split("\n\n"):
-            text = " ".join(paragraph.split())
-            if len(text) >= 200 and text.isascii():
-                found.append(text)
-    return found
+    return help_paragraphs()
 
 
 # --- engine -------------------------------------------------------------------------------------
