@@ -76,13 +76,13 @@ class CacheMetrics:
 
 METRICS_FILE_ENV = "GRAPHCHUNK_METRICS_FILE"
 COUNTERS = ("lookups", "hits", "misses", "evictions", "tokens_reused", "tokens_computed", "lookup_seconds",
-            "graph_captures", "graph_replays", "graph_fallbacks", "blend_lookups", "blend_hits", "blend_misses",
-            "blend_tokens_reused", "blend_tokens_recomputed", "blend_tokens_checked", "blend_tier_hits", "tier_hits", "tier_loads",
-            "tier_rejected", "tier_writes", "tier_write_errors", "tier_evictions", "tier_bytes_read",
-            "tier_bytes_written", "tier_read_seconds", "tier_write_seconds", "tier_host_hits")
+            "graph_captures", "graph_replays", "graph_fallbacks",
+            "blend_lookups", "blend_hits", "blend_misses", "blend_tokens_reused", "blend_tokens_recomputed",
+            "blend_tokens_checked", "blend_tier_hits",
+            "tier_hits", "tier_loads", "tier_rejected", "tier_writes", "tier_write_errors", "tier_evictions",
+            "tier_bytes_read", "tier_bytes_written", "tier_read_seconds", "tier_write_seconds", "tier_host_hits")
 GAUGES = ("pool_blocks_used", "pool_blocks_total", "pool_utilization", "hit_rate", "tier_bytes", "tier_host_bytes",
-          "pool_refs_held",
-          "pool_blocks_leaked")
+          "pool_refs_held", "pool_blocks_leaked")
 FIELDS = COUNTERS + GAUGES
 HELP = {
     "lookups": "Chunk-pool lookups", "hits": "Chunk-pool lookups that found the KV",

@@ -131,7 +131,7 @@ class ChunkStore:
         start = time.perf_counter()
         try:
             with open(path, "rb") as f:
-                raw = f.read()
+                raw = _read_all(f)
                 inode = os.fstat(f.fileno()).st_ino
         except FileNotFoundError:
             return None
@@ -159,7 +159,7 @@ class ChunkStore:
         self.metrics.tier_read_seconds += time.perf_counter() - start
         return data
 
-    def _parse(self, raw: bytes) -> tuple[dict, memoryview]:
+    def _parse(self, raw: bytearray) -> tuple[dict, memoryview]:
         if len(raw) < _PREAMBLE.size + _DIGEST:
             raise RejectedFile(f"truncated: {len(raw)} bytes", corrupt=True)
         magic, version, header_len = _PREAMBLE.unpack_from(raw)
@@ -202,7 +202,7 @@ class ChunkStore:
             self.host.put(key, tokens, mode, data)
         start = time.perf_counter()
         path = self.path_of(key)
-        payload = data.contiguous().view(torch.uint8).numpy().tobytes() if data.numel() else b""
+        payload = data.contiguous().view(torch.uint8).numpy().reshape(-1)  # a view: written without a copy
         header = json.dumps({
             "format": FORMAT_VERSION, "engine": dataclasses.asdict(self.identity), "key": key.hex(), "mode": mode,
             "tokens": list(map(int, tokens)), "num_tokens": num_tokens, "payload_dtype": str(data.dtype),
@@ -310,11 +310,19 @@ def _tensor(payload: memoryview, dtype: str, shape: list[int]) -> torch.Tensor:
     torch_dtype = getattr(torch, dtype.removeprefix("torch."), None)
     if not isinstance(torch_dtype, torch.dtype):
         raise RejectedFile(f"unknown payload dtype {dtype!r}", corrupt=False)
-    data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if len(payload) else torch.empty(0, dtype=torch.uint8)
+    # A view of the file's buffer (one copy, the read); the tensor keeps the buffer alive.
+    data = torch.frombuffer(payload, dtype=torch.uint8) if len(payload) else torch.empty(0, dtype=torch.uint8)
     try:
         return data.view(torch_dtype).reshape(shape)
     except RuntimeError as exc:
         raise RejectedFile(f"payload does not fit shape {shape}: {exc}", corrupt=True) from None
+
+
+def _read_all(f) -> bytearray:
+    """The whole open file into a writable buffer (what ``torch.frombuffer`` views without a copy)."""
+    raw = bytearray(os.fstat(f.fileno()).st_size)
+    del raw[f.readinto(raw):]  # in place: a file shorter than its size is cut, not copied
+    return raw
 
 
 def _touch(path: Path) -> None:

@@ -179,10 +179,14 @@ class ChunkRunnerMixin(KVDeviceMixin, TemplateHooksMixin):
         return output
 
     def _publish(self) -> None:
+        """After each step, for /metrics: the pool's audit walks its entries, so only when read."""
+        if self.gc_publisher is not None:
+            self._audit_pool()
+            self.gc_publisher.publish(self.gc_metrics)
+
+    def _audit_pool(self) -> None:
         if self.gc_cache is not None:
             self.gc_cache.pool.audit()
-        if self.gc_publisher is not None:
-            self.gc_publisher.publish(self.gc_metrics)
 
     def _register(self, new_req) -> None:
         args = (new_req.sampling_params.extra_args or {}) if new_req.sampling_params else {}
@@ -272,8 +276,7 @@ class ChunkRunnerMixin(KVDeviceMixin, TemplateHooksMixin):
         return self.gc_cache.pool.clear() if self.gc_cache is not None else 0
 
     def graphchunk_stats(self) -> dict[str, float]:
-        if self.gc_cache is not None:
-            self.gc_cache.pool.audit()
+        self._audit_pool()
         return self.gc_metrics.snapshot()
 
 
