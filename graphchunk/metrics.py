@@ -19,7 +19,8 @@ class CacheMetrics:
     lookup_seconds: float = 0.0
     graph_captures: int = 0
     graph_replays: int = 0
-    graph_fallbacks: int = 0
+    graph_padded: int = 0
+    graph_eager: int = 0
     blend_lookups: int = 0
     blend_hits: int = 0
     blend_misses: int = 0
@@ -76,7 +77,7 @@ class CacheMetrics:
 
 METRICS_FILE_ENV = "GRAPHCHUNK_METRICS_FILE"
 COUNTERS = ("lookups", "hits", "misses", "evictions", "tokens_reused", "tokens_computed", "lookup_seconds",
-            "graph_captures", "graph_replays", "graph_fallbacks",
+            "graph_captures", "graph_replays", "graph_padded", "graph_eager",
             "blend_lookups", "blend_hits", "blend_misses", "blend_tokens_reused", "blend_tokens_recomputed",
             "blend_tokens_checked", "blend_tier_hits",
             "tier_hits", "tier_loads", "tier_rejected", "tier_writes", "tier_write_errors", "tier_evictions",
@@ -94,8 +95,9 @@ HELP = {
     "pool_blocks_total": "Pool blocks in the budget", "pool_utilization": "Used fraction of the pool",
     "hit_rate": "hits / lookups",
     "graph_captures": "Graph templates captured (one per bucket)",
-    "graph_replays": "Cached-chunk prefill steps that replayed a graph template",
-    "graph_fallbacks": "Cached-chunk prefill steps that ran eager (no bucket fits, or a replay miss)",
+    "graph_replays": "Cached-chunk prefill steps that ran a captured graph at exactly their token count",
+    "graph_padded": "Cached-chunk prefill steps that ran a captured graph padded to more tokens",
+    "graph_eager": "Cached-chunk prefill steps that ran without a captured graph (no bucket, mixed step, replay miss)",
     "blend_lookups": "Chunk-pool lookups of blend-mode requests (isolated: lookups - blend_lookups)",
     "blend_hits": "Chunk-pool hits of blend-mode requests", "blend_misses": "Chunk-pool misses of blend-mode requests",
     "blend_tokens_reused": "Context tokens of blend-mode requests whose KV was copied from the pool",

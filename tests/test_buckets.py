@@ -16,12 +16,15 @@ GRID = {"backend": "compile", "grid": {"batch": [1, 2], "num_chunks": [2, 8], "m
                                        "max_sys_len": [96], "question_tokens": [16, 32]}}
 
 
+CPU_BACKEND = "vllm"
+
+
 def shape(chunks, question, sys=10):
     return RequestShape(sys, tuple(chunks), question)
 
 
-@pytest.mark.parametrize("name, backend, count", [("cpu", "compile", 24), ("h100", "cuda_graph", 192),
-                                                  ("ascend-910b", "npu_graph", 24)])
+@pytest.mark.parametrize("name, backend, count", [("cpu", CPU_BACKEND, 24), ("h100", "vllm", 192),
+                                                  ("ascend-910b", "vllm", 24)])
 def test_shipped_grids(name, backend, count):
     grid = load_grid(name)
     assert (grid.backend, len(grid.buckets), len(set(grid.buckets))) == (backend, count, count)
@@ -39,6 +42,9 @@ def test_grid_by_path_equals_grid_by_name():
     (lambda g: g["grid"].update(question_tokens=[0, 16]), "grid.question_tokens"),
     (lambda g: g["grid"].update(num_chunks=[2.5]), "grid.num_chunks"),
     (lambda g: g["grid"].update(max_sys_len=[True]), "grid.max_sys_len"),
+    (lambda g: g.update(backend="torchair"), "torchair graph mode"),
+    (lambda g: g.update(checked="yes"), "checked must be true or false"),
+    (lambda g: g.update(backend="vllm", checked=True), "true only with backend 'compile' or 'eager'"),
 ])
 def test_bad_grids_are_refused_naming_the_problem(edit, message):
     raw = {"backend": GRID["backend"], "grid": dict(GRID["grid"])}
@@ -95,20 +101,24 @@ def test_bucket_shape():
     assert (bucket.num_tokens, bucket.max_context_len, bucket.name) == (64, 96 + 8 * 384, "b2-c8x384-s96-q32")
 
 
-def test_runner_refuses_device_graph_backends_oversized_buckets_and_vllm_compilation():
-    from vllm.config import CompilationMode
+def test_runner_refuses_device_graph_backends_and_oversized_buckets(monkeypatch):
+    import graphchunk.engine.worker as worker
 
     config = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_batched_tokens=48),
-                             compilation_config=SimpleNamespace(mode=CompilationMode.NONE))
-    with pytest.raises(ConfigError, match="uses backend 'cuda_graph'"):
-        check_grid(config, load_grid("h100"))
+                             model_config=SimpleNamespace(enforce_eager=False))
+    standalone = parse_grid({**GRID, "backend": "cuda_graph"}, "standalone.toml")
+    with pytest.raises(ConfigError, match="uses backend 'cuda_graph'; inside vLLM use 'vllm'"):
+        check_grid(config, standalone)
     with pytest.raises(ConfigError, match=r"\['b2-c2x128-s96-q32'.*max_num_batched_tokens=48"):
         check_grid(config, GRID_BUCKETS)
     config.scheduler_config.max_num_batched_tokens = 64
-    check_grid(config, GRID_BUCKETS)
-    config.compilation_config.mode = CompilationMode.VLLM_COMPILE
-    with pytest.raises(ConfigError, match="--enforce-eager"):
+    check_grid(config, GRID_BUCKETS)  # with vLLM's compilation on (no --enforce-eager), on CPU
+    monkeypatch.setattr(worker, "platform_kind", lambda: "cuda")
+    with pytest.raises(ConfigError, match="would nest inside vLLM's graphs; use backend 'vllm'"):
         check_grid(config, GRID_BUCKETS)
+    check_grid(config, parse_grid({**GRID, "backend": "vllm"}, "cuda.toml"))
+    config.model_config.enforce_eager = True
+    check_grid(config, GRID_BUCKETS)
 
 
 # --- backends -----------------------------------------------------------------------------------
@@ -140,17 +150,35 @@ def test_compiled_replay_never_recompiles():
         template.replay(**toy_inputs(5, 1))
 
 
-def test_replay_miss_runs_eager_and_counts_a_fallback():
-    metrics = CacheMetrics()
-    templates = GraphTemplates(parse_grid({**GRID, "backend": "compile"}, "test"), metrics)
+def test_replay_miss_runs_eager_and_says_so():
+    templates = GraphTemplates(parse_grid({**GRID, "backend": "compile"}, "test"), CacheMetrics())
     bucket = Bucket(1, 2, 128, 96, 16)
     templates.templates[bucket] = templates.backend.capture(toy_forward, toy_inputs(16, 0))
     inputs = toy_inputs(16, 1)
-    torch.testing.assert_close(templates.replay(bucket, toy_forward, **inputs), toy_forward(**inputs))
-    assert (metrics.graph_replays, metrics.graph_fallbacks) == (1, 0)
+    output, replayed = templates.replay(bucket, toy_forward, **inputs)
+    torch.testing.assert_close(output, toy_forward(**inputs))
+    assert replayed
     odd = toy_inputs(7, 2)  # not the captured shape: nothing runs in the template, eager does
-    assert torch.equal(templates.replay(bucket, toy_forward, **odd), toy_forward(**odd))
-    assert (metrics.graph_replays, metrics.graph_fallbacks) == (1, 1)
+    output, replayed = templates.replay(bucket, toy_forward, **odd)
+    assert torch.equal(output, toy_forward(**odd)) and not replayed
+
+
+def test_outcomes_are_counted_per_bucket_and_in_the_manifest():
+    metrics = CacheMetrics()
+    templates = GraphTemplates(parse_grid({**GRID, "backend": "vllm"}, "test"), metrics)
+    assert not templates.captures and templates.backend is None
+    bucket = templates.choose([shape([5], 5)])
+    for outcome in ("replayed", "padded", "padded", "eager"):
+        templates.count(outcome, bucket)
+    templates.count("eager", None)
+    assert (metrics.graph_replays, metrics.graph_padded, metrics.graph_eager) == (1, 2, 2)
+    manifest = templates.manifest({"cudagraph_mode": "FULL"})
+    assert manifest["captured_by"] == "vllm" and manifest["vllm_graphs"] == {"cudagraph_mode": "FULL"}
+    rows = {row["bucket"]: row for row in manifest["buckets"]}
+    assert len(rows) == len(templates.grid.buckets)
+    assert {k: rows[bucket.name][k] for k in ("replayed", "padded", "eager")} == {"replayed": 1, "padded": 2,
+                                                                                   "eager": 1}
+    assert manifest["outside_buckets"] == {"replayed": 0, "padded": 0, "eager": 1}
 
 
 def test_capture_failure_names_the_bucket():
@@ -169,13 +197,17 @@ def test_capture_failure_names_the_bucket():
     assert templates.metrics.graph_captures == 12  # the 12 buckets of 16 and 32 tokens came first
 
 
-def test_disabled_templates_choose_nothing_and_count_nothing():
-    metrics = CacheMetrics()
-    templates = GraphTemplates(parse_grid({**GRID, "backend": "eager"}, "test"), metrics)
+def test_choose_takes_the_smallest_bucket_and_none_for_mixed_steps():
+    templates = GraphTemplates(parse_grid({**GRID, "backend": "eager"}, "test"), CacheMetrics())
     assert templates.choose([shape([5], 5)]) == Bucket(1, 2, 128, 96, 16)
-    assert templates.choose(None) is None and metrics.graph_fallbacks == 1
-    templates.enabled = False
-    assert templates.choose([shape([5], 5)]) is None and metrics.graph_fallbacks == 1
+    assert templates.choose(None) is None
+
+
+def test_checked_grids_wrap_the_backend():
+    from graphchunk.graphs.graph_safety import CheckedBackend
+
+    templates = GraphTemplates(parse_grid({**GRID, "checked": True}, "test"), CacheMetrics())
+    assert isinstance(templates.backend, CheckedBackend) and templates.backend.inner.name == "compile"
 
 
 def test_device_graph_backends_say_what_they_need(monkeypatch):
@@ -183,9 +215,8 @@ def test_device_graph_backends_say_what_they_need(monkeypatch):
     with pytest.raises(RuntimeError, match="'cuda_graph' needs a CUDA device"):
         make_backend("cuda_graph", 1)
     monkeypatch.setitem(sys.modules, "torch_npu", None)  # an import of it raises ImportError
-    for name in ("npu_graph", "torchair"):
-        with pytest.raises(ImportError, match=r"torch-npu \(pip install 'graphchunk\[ascend\]'\)"):
-            make_backend(name, 1)
+    with pytest.raises(ImportError, match=r"torch-npu \(pip install 'graphchunk\[ascend\]'\)"):
+        make_backend("npu_graph", 1)
 
 
 def test_axes_are_the_bucket_fields():

@@ -1,6 +1,8 @@
 """Graph templates inside the engine: every bucket of the session grid (tests/data/templates.toml)
-replays — exactly at its boundaries and partially filled — and equals both eager and the oracle;
-steps outside every bucket run eager, exactly, and are counted.
+replays — exactly at its boundaries (counted replayed) and partially filled (counted padded) — and
+equals both vLLM's own forward (templates off; the engine runs without --enforce-eager, so that is
+vLLM's compiled graph) and the oracle; steps outside every bucket run vLLM's forward, exactly, and
+are counted eager. The grid is checked: every replay also passes the graph-safety check.
 
 Each case first sends its prompts once (computing the chunks into the pool and whole blocks into
 vLLM's prefix cache), then the same context with new questions of the same length: that step
@@ -28,7 +30,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_oracle_thread")]
 GRID = load_grid(str(GC_LLM_TEMPLATES))
 MAX_TOKENS = 8
 SHORT = 6  # tokens of each chunk but the longest
-COUNTERS = ("graph_replays", "graph_fallbacks")
+COUNTERS = ("graph_replays", "graph_padded", "graph_eager")
 
 
 class Tokens:
@@ -119,7 +121,8 @@ def generate_in_one_step(llm, inputs, params):
 
 
 def replays_by_bucket(llm) -> dict[str, int]:
-    return {row["bucket"]: row["replays"] for row in llm.templates_manifest()["buckets"]}
+    """Steps that ran each bucket's template, exactly filled or padded."""
+    return {row["bucket"]: row["replayed"] + row["padded"] for row in llm.templates_manifest()["buckets"]}
 
 
 def run_question_step(llm, tokens, shapes: list[Shape], ordinary=()):
@@ -163,7 +166,10 @@ def test_every_bucket_replays_and_equals_eager_and_the_oracle(bucket, fill, gc_l
     shapes = (boundary_shapes if fill == "boundary" else partial_shapes)(bucket)
     assert GRID.bucket_for([as_request_shape(s) for s in shapes]) == bucket
     prompts, questions, replayed, segs, delta = run_question_step(gc_llm, tokens, shapes)
-    assert delta == {"graph_replays": 1, "graph_fallbacks": 0, "buckets": {bucket.name: 1}}
+    exact = sum(s.question for s in shapes) == bucket.num_tokens
+    assert exact == (fill == "boundary")
+    assert delta == {"graph_replays": int(exact), "graph_padded": int(not exact), "graph_eager": 0,
+                     "buckets": {bucket.name: 1}}
     for out, seg in zip(replayed, segs):
         assert_matches_oracle(out, seg, oracle, MAX_TOKENS)
 
@@ -172,7 +178,7 @@ def test_every_bucket_replays_and_equals_eager_and_the_oracle(bucket, fill, gc_l
         eager, _, eager_delta = generate(gc_llm, prompts, questions, MAX_TOKENS)
     finally:
         gc_llm.use_templates(True)
-    assert eager_delta == {"graph_replays": 0, "graph_fallbacks": 0, "buckets": {}}
+    assert eager_delta == {"graph_replays": 0, "graph_padded": 0, "graph_eager": 0, "buckets": {}}
     for r, e in zip(replayed, eager):
         assert_same_completion(r, e)
 
@@ -204,14 +210,16 @@ def test_steps_outside_every_bucket_run_eager_exactly(case, gc_llm, oracle, toke
     if case != "mixed":
         assert GRID.bucket_for([as_request_shape(s) for s in shapes]) is None
     _, _, outputs, segs, delta = run_question_step(gc_llm, tokens, shapes, ordinary)
-    assert delta == {"graph_replays": 0, "graph_fallbacks": 1, "buckets": {}}
+    assert delta == {"graph_replays": 0, "graph_padded": 0, "graph_eager": 1, "buckets": {}}
     for out, seg in zip(outputs, segs):
         assert_matches_oracle(out, seg, oracle, MAX_TOKENS)
 
 
 def test_captures_are_counted_and_published(gc_llm):
     manifest = gc_llm.templates_manifest()
-    assert manifest["backend"] == "compile" and len(manifest["buckets"]) == len(GRID.buckets)
+    assert (manifest["backend"], manifest["checked"], manifest["captured_by"]) == ("compile", True, "graphchunk")
+    assert manifest["vllm_graphs"]["compilation_mode"] == "DYNAMO_TRACE_ONCE"  # vLLM's own compilation stays on
+    assert len(manifest["buckets"]) == len(GRID.buckets)
     assert {row["bucket"] for row in manifest["buckets"]} == {b.name for b in GRID.buckets}
     published = gc_llm.published_stats()
     assert published["graph_captures"] == gc_llm.stats()["graph_captures"] == len(GRID.buckets)

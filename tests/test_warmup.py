@@ -37,8 +37,11 @@ def test_warmup_captures_every_bucket_and_writes_a_manifest(tmp_path):
     assert (manifest["backend"], manifest["model"], manifest["dtype"]) == ("compile", model, "torch.float32")
     assert [(row["bucket"], row["num_tokens"]) for row in manifest["buckets"]] == [
         ("b1-c4x64-s32-q8", 8), ("b1-c4x64-s32-q16", 16)]
-    assert all(row["seconds"] > 0 and row["replays"] == 0 for row in manifest["buckets"])
+    assert all(row["seconds"] > 0 and row["replayed"] == row["padded"] == 0 for row in manifest["buckets"])
     assert "captured 2 templates" in done.stdout and "b1-c4x64-s32-q16" in done.stdout
+    # as the server runs: vLLM's own compilation stays on next to graphchunk's templates
+    assert manifest["captured_by"] == "graphchunk" and manifest["vllm_graphs"]["compilation_mode"] == "DYNAMO_TRACE_ONCE"
+    assert "vLLM: compilation DYNAMO_TRACE_ONCE" in done.stdout
 
 
 def test_warmup_refuses_a_bad_grid_before_starting_an_engine(tmp_path):

@@ -9,8 +9,9 @@ Mixed into the platform's runner class (``chunk_runner_class``); per step:
                    chunk pool — computing misses first — then lets vLLM prepare the shrunken
                    batch and rewrites RoPE positions of question and generated tokens (§2);
 ``_determine_batch_execution_and_padding`` / ``_model_forward``
-                   pad a step whose requests compute only their question over cached context to
-                   its bucket and replay the bucket's graph template (``runner_templates.py``).
+                   run a step whose requests compute only their question over cached context on
+                   its bucket's graph (graphchunk's template, or vLLM's own graph at that size)
+                   and count how each cached-chunk prefill ran (``runner_templates.py``).
 
 The runner is also the plans' ``KVDevice`` (``runner_device.py``).
 
@@ -18,6 +19,7 @@ Slot mapping follows the logical index and was computed by vLLM before the rewri
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -36,8 +38,8 @@ from graphchunk.cache.store import ChunkStore, StoreIdentity, weights_digest
 from graphchunk.config import ConfigError, GraphChunkConfig
 from graphchunk.engine.frontend import BOUNDARIES_ARG, MODE_ARG, RATIO_ARG, RECOMPUTE_ARG, SALT_ARG, TOKENS_ARG
 from graphchunk.engine.runner_device import KVDeviceMixin, decoder_stack
-from graphchunk.engine.runner_templates import TemplateHooksMixin
-from graphchunk.graphs.buckets import Bucket, RequestShape, load_grid
+from graphchunk.engine.runner_templates import StepGraph, TemplateHooksMixin
+from graphchunk.graphs.buckets import RequestShape, load_grid
 from graphchunk.graphs.templates import GraphTemplates
 from graphchunk.metrics import METRICS_FILE_ENV, CacheMetrics, MetricsPublisher
 from graphchunk.segments import SegmentedPrompt, split_at
@@ -57,8 +59,9 @@ class ChunkRunnerMixin(KVDeviceMixin, TemplateHooksMixin):
         self.gc_pending: list[tuple[str, ScheduledPrompt]] = []
         self.gc_dummy: set[str] = set()
         self.gc_cache: ChunkCache | None = None
-        self.gc_templates = GraphTemplates(load_grid(config.templates), self.gc_metrics) if config.templates else None
-        self.gc_bucket: Bucket | None = None
+        self.gc_templates = GraphTemplates(load_grid(config.templates), self.gc_metrics, self._forward_context_reads,
+                                           _past_vllm_compiled_graph) if config.templates else None
+        self.gc_step: StepGraph | None = None
         path = os.environ.get(METRICS_FILE_ENV)
         self.gc_publisher = MetricsPublisher(path) if path else None
 
@@ -167,7 +170,7 @@ class ChunkRunnerMixin(KVDeviceMixin, TemplateHooksMixin):
 
     def execute_model(self, scheduler_output, intermediate_tensors=None):
         so = scheduler_output
-        self.gc_bucket = None
+        self.gc_step = None
         for req_id in so.finished_req_ids:
             self.gc_prompts.pop(req_id, None)
         for new_req in so.scheduled_new_reqs:
@@ -235,9 +238,9 @@ class ChunkRunnerMixin(KVDeviceMixin, TemplateHooksMixin):
                     self.gc_dummy.add(req_id)
             if lay.context_len <= own_start < lay.num_tokens:
                 questions.append(RequestShape(lay.sys_len, lay.chunk_lens, end - own_start))
-        if questions and self.gc_templates is not None:
+        if questions and self.gc_templates is not None and self.gc_templates.enabled:
             only_questions = len(questions) == len(so.num_scheduled_tokens)
-            self.gc_bucket = self.gc_templates.choose(questions if only_questions else None)
+            self.gc_step = StepGraph(self.gc_templates.choose(questions if only_questions else None))
         return _shrunk(so, computed, shrink) if shrink else so
 
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
@@ -278,6 +281,19 @@ class ChunkRunnerMixin(KVDeviceMixin, TemplateHooksMixin):
     def graphchunk_stats(self) -> dict[str, float]:
         self._audit_pool()
         return self.gc_metrics.snapshot()
+
+
+@contextlib.contextmanager
+def _past_vllm_compiled_graph():
+    """vLLM's compiled models run their plain forward while the forward context says so."""
+    from vllm.forward_context import get_forward_context
+
+    context = get_forward_context()
+    saved, context.skip_compiled = context.skip_compiled, True
+    try:
+        yield
+    finally:
+        context.skip_compiled = saved
 
 
 def chunk_runner_class(base: type) -> type:

@@ -40,7 +40,8 @@ def register() -> None:
 
 def _check_config_before_start() -> None:
     """Runs graphchunk's start-up checks (``worker.check_config``) where the engine's config is
-    built, in the user's process: a refused configuration raises ConfigError with its message
+    built, after giving a grid of backend ``vllm`` to vLLM's graph machinery (``graph_config``),
+    in the user's process: a refused configuration raises ConfigError with its message
     there, at once, instead of in a worker process whose failure the user sees as "Engine core
     initialization failed" (the worker checks again; it also serves configs built elsewhere)."""
     from vllm.engine.arg_utils import EngineArgs
@@ -52,11 +53,22 @@ def _check_config_before_start() -> None:
         return
 
     def create_engine_config(self, *args, **kwargs):
+        from graphchunk.config import GraphChunkConfig
+        from graphchunk.engine import graph_config
+        from graphchunk.graphs.buckets import load_grid
+
+        grid = None
+        if is_graphchunk_worker(self.worker_cls):
+            templates = GraphChunkConfig.from_additional_config(self.additional_config).templates
+            grid = load_grid(templates) if templates else None
+            if grid is not None:
+                graph_config.request_graph_mode(self, grid, graph_config.platform_kind())
         config = original(self, *args, **kwargs)
         if is_graphchunk_worker(config.parallel_config.worker_cls):
-            from graphchunk.config import GraphChunkConfig
             from graphchunk.engine.worker import check_config
 
+            if grid is not None:
+                graph_config.add_capture_sizes(config, grid, graph_config.platform_kind())
             check_config(config, GraphChunkConfig.from_additional_config(config.additional_config))
         return config
 

@@ -13,6 +13,7 @@ import logging
 from graphchunk.blend.rope import hf_rope_refusal
 from graphchunk.cache.store import prepare_directory, weights_digest
 from graphchunk.config import ConfigError, GraphChunkConfig
+from graphchunk.engine.graph_config import platform_kind, vllm_graphs
 from graphchunk.engine.model_runner import chunk_runner_class
 from graphchunk.graphs.buckets import BucketGrid, load_grid
 
@@ -67,22 +68,23 @@ def check_config(vllm_config, config: GraphChunkConfig) -> None:
                           f"{needed * block_size} tokens at block size {block_size}")
 
 
-RUNNER_BACKENDS = ("eager", "compile")
-"""Backends whose templates the runner can capture without attention metadata: torch.compile keeps
-vLLM's attention an opaque op that reads each step's metadata. Device graphs (cuda_graph,
-npu_graph, torchair) would bake the capture-time metadata in: capturing them inside vLLM needs
-the attention metadata in static buffers per bucket, which is not built yet."""
+RUNNER_BACKENDS = ("vllm", "compile", "eager")
+"""Backends a grid may name inside vLLM. ``vllm``: vLLM's own graphs at the grid's sizes
+(``graph_config.py``). ``compile`` / ``eager``: graphchunk's templates, captured without attention
+metadata (vLLM's attention stays an opaque op reading each step's metadata). Standalone device
+graphs (``cuda_graph``, ``npu_graph``) would bake capture-time metadata in; vLLM's graphs keep it
+in persistent buffers, so inside vLLM the grid names ``vllm`` instead."""
 
 
 def check_grid(vllm_config, grid: BucketGrid) -> None:
-    from vllm.config import CompilationMode
-
-    if vllm_config.compilation_config.mode != CompilationMode.NONE:
-        raise ConfigError("graphchunk.templates compiles the cached-chunk prefill itself; start vLLM with "
-                          "--enforce-eager (vLLM's own compilation and CUDA graphs would wrap the same model)")
     if grid.backend not in RUNNER_BACKENDS:
         raise ConfigError(f"graphchunk.templates: {grid.source} uses backend {grid.backend!r}; inside vLLM "
-                          f"graphchunk captures {RUNNER_BACKENDS} templates only")
+                          f"use 'vllm' (vLLM's own CUDA graphs / vllm-ascend's ACL graphs replay the buckets) "
+                          f"or graphchunk's {RUNNER_BACKENDS[1:]} templates")
+    if grid.backend == "compile" and platform_kind() != "cpu" and not vllm_config.model_config.enforce_eager:
+        raise ConfigError(f"graphchunk.templates: {grid.source} compiles templates itself, which on "
+                          f"{platform_kind()} would nest inside vLLM's graphs; use backend 'vllm' there "
+                          f"(graph_templates/h100.toml), or start with --enforce-eager")
     max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
     too_big = [b.name for b in grid.buckets if b.num_tokens > max_tokens]
     if too_big:
@@ -121,7 +123,7 @@ def make_runner_class() -> type:
 
         def graphchunk_templates_manifest(self) -> dict | None:
             templates = self.model_runner.gc_templates
-            return templates.manifest() if templates is not None else None
+            return templates.manifest(vllm_graphs(self.vllm_config)) if templates is not None else None
 
         def graphchunk_use_templates(self, enabled: bool) -> bool:
             templates = self.model_runner.gc_templates

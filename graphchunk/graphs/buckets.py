@@ -16,7 +16,10 @@ from pathlib import Path
 from graphchunk.config import ConfigError
 
 AXES = ("batch", "num_chunks", "max_chunk_len", "max_sys_len", "question_tokens")
-BACKENDS = ("eager", "compile", "cuda_graph", "npu_graph", "torchair")
+BACKENDS = ("vllm", "compile", "eager", "cuda_graph", "npu_graph")
+"""``vllm``: vLLM's own graphs replay the buckets (graphchunk captures nothing); ``compile`` /
+``eager``: graphchunk's templates; ``cuda_graph`` / ``npu_graph``: standalone device graphs
+(``perf/``), refused inside vLLM, whose graphs cover them (``engine/graph_config.py``)."""
 GRID_DIR = Path(__file__).resolve().parents[2] / "graph_templates"
 """The grids shipped with the source tree; ``load_grid`` also takes a path."""
 
@@ -62,6 +65,13 @@ class BucketGrid:
     buckets: tuple[Bucket, ...]
     """Smallest first: fewest padded tokens, then least context."""
     source: str
+    checked: bool = False
+    """Test-only: every replay is first checked for graph safety (``graphs/graph_safety.py``)."""
+
+    @property
+    def token_counts(self) -> list[int]:
+        """The distinct static token counts of the buckets, ascending."""
+        return sorted({b.num_tokens for b in self.buckets})
 
     def bucket_for(self, requests: list[RequestShape]) -> Bucket | None:
         """The smallest bucket holding every request, or None (the step runs eager)."""
@@ -86,12 +96,19 @@ def load_grid(name_or_path: str) -> BucketGrid:
 
 
 def parse_grid(raw: dict, source: str) -> BucketGrid:
-    unknown = sorted(set(raw) - {"backend", "grid", "platform", "notes"})
+    unknown = sorted(set(raw) - {"backend", "grid", "platform", "notes", "checked"})
     if unknown:
-        raise ConfigError(f"{source}: unknown key(s) {unknown}; known: backend, grid, platform, notes")
+        raise ConfigError(f"{source}: unknown key(s) {unknown}; known: backend, grid, platform, notes, checked")
     backend = raw.get("backend")
+    if backend == "torchair":
+        raise ConfigError(f"{source}: backend 'torchair' is gone (vllm-ascend dropped torchair graph mode in "
+                          f"v0.12.0rc1); use backend 'vllm' (vllm-ascend's ACL graphs)")
     if backend not in BACKENDS:
         raise ConfigError(f"{source}: backend must be one of {BACKENDS}, got {backend!r}")
+    checked = raw.get("checked", False)
+    if not isinstance(checked, bool) or (checked and backend not in ("compile", "eager")):
+        raise ConfigError(f"{source}: checked must be true or false, and true only with backend 'compile' or "
+                          f"'eager' (templates graphchunk captures), got {checked!r} with {backend!r}")
     grid = raw.get("grid")
     if not isinstance(grid, dict) or sorted(grid) != sorted(AXES):
         raise ConfigError(f"{source}: [grid] must list exactly {AXES}, got {sorted(grid or {})}")
@@ -105,4 +122,4 @@ def parse_grid(raw: dict, source: str) -> BucketGrid:
         axes.append(sorted(set(values)))
     buckets = sorted((Bucket(*shape) for shape in itertools.product(*axes)),
                      key=lambda b: (b.num_tokens, b.max_context_len, b))
-    return BucketGrid(backend, tuple(buckets), source)
+    return BucketGrid(backend, tuple(buckets), source, checked)

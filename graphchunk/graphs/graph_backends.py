@@ -10,7 +10,9 @@ already wrote them there, as vLLM's persistent input buffers do).
                  (``fail_on_recompile``), so a replay counted is a replay done.
 * ``cuda_graph`` torch.cuda.CUDAGraph, one memory pool shared by all templates.
 * ``npu_graph``  torch.npu.NPUGraph (torch-npu mirrors the CUDA graph API); unverified on hardware.
-* ``torchair``   torch.compile with torchair's NPU backend in reduce-overhead mode; unverified on hardware.
+
+The device-graph backends serve standalone use (``perf/``); inside vLLM, vLLM's own CUDA graphs
+and vllm-ascend's ACL graphs replay the buckets (grid backend ``vllm``, ``engine/graph_config.py``).
 """
 from __future__ import annotations
 
@@ -124,16 +126,6 @@ def make_backend(name: str, max_templates: int):
         return DeviceGraphBackend(torch.cuda, "CUDAGraph", name)
     if name == "npu_graph":
         return DeviceGraphBackend(_import_npu(), "NPUGraph", name)
-    if name == "torchair":
-        _import_npu()
-        try:
-            import torchair
-        except ImportError as exc:
-            raise ImportError("graph template backend 'torchair' needs torchair "
-                              "(pip install 'graphchunk[ascend]')") from exc
-        config = torchair.CompilerConfig()
-        config.mode = "reduce-overhead"
-        return CompileBackend(max_templates, torchair.get_npu_backend(compiler_config=config))
     raise ValueError(f"unknown graph template backend {name!r}")
 
 

@@ -1,17 +1,23 @@
 """Graph templates of the cached-chunk prefill: one per bucket, captured ahead of traffic, replayed per step.
 
 Host side (``choose``): a step whose requests all compute only their question over cached context
-maps to the smallest bucket of the grid that holds it; any other step with a cached-chunk prefill
-in it counts as a fallback and runs eager. Device side (``replay``): the runner pads the step to
-the bucket's token count in vLLM's persistent input buffers and replays the bucket's template;
-a template that cannot run the inputs as captured (``ReplayMiss``, nothing computed) falls back
-to eager, which is exact, and is counted.
+maps to the smallest bucket of the grid that holds it. Device side: with graphchunk's own
+templates (backends ``compile``, ``eager``) the runner pads the step to the bucket's token count in
+vLLM's persistent input buffers and ``replay`` runs the bucket's template; a template that cannot
+run the inputs as captured (``ReplayMiss``, nothing computed) falls back to eager, which is exact.
+With backend ``vllm`` graphchunk captures nothing: vLLM's own graphs (CUDA graphs at the grid's
+token counts, ``engine/graph_config.py``; on CPU its one compiled dynamic-shape graph) run the step.
+
+Every step with a cached-chunk prefill in it is counted once (``count``): ``graph_replays`` when
+it ran a captured graph at exactly its token count, ``graph_padded`` when it ran one padded to
+more tokens, ``graph_eager`` otherwise (no bucket holds it, it mixes in other work, a replay miss,
+or vLLM ran it without a graph).
 """
 from __future__ import annotations
 
 import logging
 import time
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
@@ -19,6 +25,7 @@ import torch
 
 from graphchunk.graphs.buckets import Bucket, BucketGrid, RequestShape
 from graphchunk.graphs.graph_backends import Forward, ReplayMiss, make_backend
+from graphchunk.graphs.graph_safety import CheckedBackend, ContextReads
 from graphchunk.metrics import CacheMetrics
 
 logger = logging.getLogger("graphchunk")
@@ -36,16 +43,26 @@ class CaptureReport:
     memory_bytes: int
 
 
+OUTCOMES = ("replayed", "padded", "eager")
+
+
 class GraphTemplates:
-    def __init__(self, grid: BucketGrid, metrics: CacheMetrics):
+    def __init__(self, grid: BucketGrid, metrics: CacheMetrics, context_reads: ContextReads | None = None,
+                 uncompiled: Callable[[], AbstractContextManager] = nullcontext):
         self.grid = grid
         self.metrics = metrics
-        self.backend = make_backend(grid.backend, len(grid.buckets))
+        self.captures = grid.backend != "vllm"
+        """False: vLLM's own graphs replay the buckets; graphchunk captures and pads nothing."""
+        self.backend = make_backend(grid.backend, len(grid.buckets)) if self.captures else None
+        if grid.checked:
+            self.backend = CheckedBackend(self.backend, context_reads, uncompiled)
         self.templates: dict[Bucket, Any] = {}
         self.reports: list[CaptureReport] = []
-        self.replays: dict[str, int] = {}
+        self.outcomes: dict[str, dict[str, int]] = {}
+        """Per bucket name ('' for steps no bucket holds): counts of each outcome."""
         self.enabled = True
-        """Off: every step runs eager, uncounted (the side-by-side eager baseline of tests and perf/)."""
+        """Off: graphchunk's templates are neither chosen nor counted (the side-by-side baseline of
+        tests and perf/: vLLM's own forward, compiled or eager as the engine was started)."""
 
     def capture_all(self, fn: Forward, inputs_for: Callable[[Bucket], dict[str, Any]],
                     context_for: Callable[[Bucket], AbstractContextManager], device: torch.device,
@@ -73,30 +90,35 @@ class GraphTemplates:
         return self.reports
 
     def choose(self, requests: list[RequestShape] | None) -> Bucket | None:
-        """The bucket a step with a cached-chunk prefill replays on; None (counted) runs eager.
-        ``requests`` is None when the step also computes other work (context tokens, other requests)."""
-        if not self.enabled:
-            return None
-        bucket = self.grid.bucket_for(requests) if requests else None
-        if bucket is None:
-            self.metrics.graph_fallbacks += 1
-        return bucket
+        """The bucket holding a step with a cached-chunk prefill, or None. ``requests`` is None when
+        the step also computes other work (context tokens, other requests)."""
+        return self.grid.bucket_for(requests) if requests else None
+
+    def count(self, outcome: str, bucket: Bucket | None) -> None:
+        """Counts one step with a cached-chunk prefill (``OUTCOMES``)."""
+        counter = {"replayed": "graph_replays", "padded": "graph_padded", "eager": "graph_eager"}[outcome]
+        setattr(self.metrics, counter, getattr(self.metrics, counter) + 1)
+        row = self.outcomes.setdefault(bucket.name if bucket else "", dict.fromkeys(OUTCOMES, 0))
+        row[outcome] += 1
 
     def replay(self, bucket: Bucket, eager: Forward, **inputs):
+        """Runs graphchunk's template of ``bucket``; False second: it ran eager (a replay miss)."""
         try:
-            output = self.templates[bucket].replay(**inputs)
+            return self.templates[bucket].replay(**inputs), True
         except ReplayMiss as exc:
-            self.metrics.graph_fallbacks += 1
             logger.warning("graphchunk: template %s could not replay this step, ran eager: %s", bucket.name, exc)
-            return eager(**inputs)
-        self.metrics.graph_replays += 1
-        self.replays[bucket.name] = self.replays.get(bucket.name, 0) + 1
-        return output
+            return eager(**inputs), False
 
-    def manifest(self) -> dict:
-        return {"grid": self.grid.source, "backend": self.grid.backend,
-                "buckets": [{**asdict(report), "replays": self.replays.get(report.bucket, 0)}
-                            for report in self.reports]}
+    def manifest(self, vllm_graphs: dict | None = None) -> dict:
+        """What was captured (by graphchunk, per bucket; by vLLM, ``vllm_graphs``) and how steps ran."""
+        names = [report.bucket for report in self.reports] or [bucket.name for bucket in self.grid.buckets]
+        reports = {report.bucket: asdict(report) for report in self.reports}
+        zero = dict.fromkeys(OUTCOMES, 0)
+        return {"grid": self.grid.source, "backend": self.grid.backend, "checked": self.grid.checked,
+                "captured_by": "graphchunk" if self.captures else "vllm", "vllm_graphs": vllm_graphs,
+                "buckets": [{"bucket": name, **reports.get(name, {}), **self.outcomes.get(name, zero)}
+                            for name in names],
+                "outside_buckets": self.outcomes.get("", zero)}
 
 
 def _memory_in_use(device: torch.device) -> int:

@@ -3,10 +3,13 @@
     graphchunk-warmup --templates cpu [--model PATH] [--manifest templates-manifest.json]
     python -m graphchunk.tools.warmup --templates graph_templates/cpu.toml --dtype float32
 
-It starts the engine the server would start (``GraphChunkLLM`` with ``graphchunk.templates``),
-which captures with a progress bar, then prints capture time and memory per bucket and writes
-them as JSON. On CPU the compiled kernels land in torch inductor's on-disk cache, so a server
-started later with the same grid, model and dtype captures from that cache.
+It starts the engine the server would start (``GraphChunkLLM`` with ``graphchunk.templates``, vLLM's
+own compilation and graphs on unless ``--enforce-eager``), which captures with a progress bar,
+then prints what was captured and writes it as JSON: per bucket, graphchunk's capture time and
+memory (backends ``compile``, ``eager``), and the graphs vLLM captured itself (compilation mode,
+cudagraph mode and capture sizes, which with backend ``vllm`` include the grid's token counts).
+On CPU the compiled kernels land in torch inductor's on-disk cache (vLLM's own graph in its
+``torch_compile_cache``), so a server started later with the same grid, model and dtype loads them.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ def parse_args(argv=None):
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=1 << 30)
     parser.add_argument("--pool-tokens", type=int, default=16384)
+    parser.add_argument("--enforce-eager", action="store_true", help="as vLLM's flag: no vLLM graphs")
     return parser.parse_args(argv)
 
 
@@ -47,7 +51,7 @@ def main(argv=None) -> int:
     print(f"graphchunk-warmup: {len(grid.buckets)} buckets of {grid.source} ({grid.backend}) for {model}",
           file=sys.stderr, flush=True)
     started = time.perf_counter()
-    with GraphChunkLLM(model, dtype=args.dtype, max_model_len=args.max_model_len, enforce_eager=True,
+    with GraphChunkLLM(model, dtype=args.dtype, max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
                        max_num_batched_tokens=args.max_num_batched_tokens,
                        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                        graphchunk={"templates": args.templates, "pool_tokens": args.pool_tokens}) as llm:
@@ -56,12 +60,26 @@ def main(argv=None) -> int:
     manifest.update(model=model, dtype=dtype, machine=platform.machine(), processor=platform.processor(),
                     wall_seconds=time.perf_counter() - started, created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
     args.manifest.write_text(json.dumps(manifest, indent=1))
+    vllm = manifest["vllm_graphs"]
+    print(f"vLLM: compilation {vllm['compilation_mode']}, cudagraph mode {vllm['cudagraph_mode']}, "
+          f"capture sizes {vllm['cudagraph_capture_sizes'] or 'none'}")
+    if manifest["captured_by"] == "vllm":
+        sizes = sorted({row_tokens(row["bucket"]) for row in manifest["buckets"]})
+        print(f"{len(manifest['buckets'])} buckets of {len(sizes)} token counts {sizes} run on vLLM's graphs; "
+              f"graphchunk captured nothing; wrote {args.manifest}")
+        return 0
     print(f"{'bucket':<28} {'tokens':>6} {'capture s':>9} {'memory MiB':>10}")
     for row in manifest["buckets"]:
         print(f"{row['bucket']:<28} {row['num_tokens']:>6} {row['seconds']:>9.2f} {row['memory_bytes'] / 2**20:>10.1f}")
     total = sum(row["seconds"] for row in manifest["buckets"])
     print(f"captured {len(manifest['buckets'])} templates in {total:.1f} s; wrote {args.manifest}")
     return 0
+
+
+def row_tokens(bucket_name: str) -> int:
+    """``b2-c8x384-s96-q32`` -> 64 (batch * question tokens)."""
+    parts = bucket_name.split("-")
+    return int(parts[0][1:]) * int(parts[-1][1:])
 
 
 if __name__ == "__main__":

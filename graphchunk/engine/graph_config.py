@@ -1,0 +1,86 @@
+"""How a template grid drives vLLM's own graph machinery, set where the engine's config is built.
+
+Grid backend ``vllm`` (``graph_templates/h100.toml``, ``ascend-910b.toml``): graphchunk captures
+nothing itself. The grid's token counts (``batch * question_tokens``) become capture sizes of
+vLLM's graphs, so a question-only step that a bucket holds lands on a captured graph; vLLM's
+``CudagraphDispatcher`` pads it to the next capture size, and decode keeps vLLM's own graphs.
+
+* CUDA: the counts join ``compilation_config.cudagraph_capture_sizes`` (after vLLM computed its
+  defaults), and ``cudagraph_mode`` is FULL unless the user chose a mode. vLLM narrows FULL by
+  itself where the attention backend cannot run mixed prefill batches in a full graph
+  (``CompilationConfig.resolve_cudagraph_mode_and_sizes``: FlashAttention 3 and Triton attention
+  can; FlashAttention 2 and FlashInfer cannot, and get FULL_AND_PIECEWISE: question steps replay
+  piecewise graphs with attention run eagerly between them).
+* Ascend (vllm-ascend): the same capture sizes drive its ACL graphs; the mode stays vllm-ascend's
+  default (FULL_AND_PIECEWISE). Its FULL mode drops the piecewise split, so where the attention
+  backend lacks mixed-batch support it would leave question steps with no graph at all.
+* CPU: vLLM compiles one dynamic-shape graph (``DYNAMO_TRACE_ONCE``) serving every token count:
+  there is nothing to add.
+
+With ``--enforce-eager`` (or ``cudagraph_mode`` NONE) vLLM runs no graphs and nothing is added.
+Written here rather than as graphchunk's own graphs because vLLM's already hold the attention
+metadata in persistent buffers and update it per replay; graphchunk adds only the sizes.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+
+from graphchunk.graphs.buckets import BucketGrid
+
+logger = logging.getLogger("graphchunk")
+
+
+def platform_kind() -> str:
+    """'cuda', 'npu' or 'cpu': whose graph machinery the engine runs on."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cuda_alike():
+        return "cuda"
+    if getattr(current_platform, "device_type", None) == "npu":
+        return "npu"
+    return "cpu"
+
+
+def request_graph_mode(engine_args, grid: BucketGrid, platform: str) -> None:
+    """Before the config is built: FULL CUDA graphs on CUDA unless the user chose a mode (or eager)."""
+    if grid.backend != "vllm" or platform != "cuda" or engine_args.enforce_eager:
+        return
+    compilation = engine_args.compilation_config
+    if isinstance(compilation, dict):
+        if compilation.get("cudagraph_mode") is None:
+            engine_args.compilation_config = {**compilation, "cudagraph_mode": "FULL"}
+        return
+    if compilation.cudagraph_mode is None:
+        from vllm.config import CUDAGraphMode
+
+        compilation = copy.copy(compilation)  # the caller's object stays as given
+        compilation.cudagraph_mode = CUDAGraphMode.FULL
+        engine_args.compilation_config = compilation
+
+
+def add_capture_sizes(vllm_config, grid: BucketGrid, platform: str) -> list[int]:
+    """After the config is built: the grid's token counts among vLLM's graph capture sizes.
+    Returns the sizes added (none on CPU, with eager execution, or when all were there)."""
+    from vllm.config import CUDAGraphMode
+
+    compilation = vllm_config.compilation_config
+    if (grid.backend != "vllm" or platform == "cpu" or vllm_config.model_config.enforce_eager
+            or compilation.cudagraph_mode == CUDAGraphMode.NONE):
+        return []
+    sizes = set(compilation.cudagraph_capture_sizes or [])
+    added = sorted(set(grid.token_counts) - sizes)
+    if added:
+        compilation.cudagraph_capture_sizes = sorted(sizes | set(added))
+        compilation.max_cudagraph_capture_size = compilation.cudagraph_capture_sizes[-1]
+        logger.info("graphchunk: graph template sizes %s added to vLLM's cudagraph_capture_sizes (%s)",
+                    added, grid.source)
+    return added
+
+
+def vllm_graphs(vllm_config) -> dict:
+    """What vLLM's own graph machinery runs with (for the templates manifest)."""
+    compilation = vllm_config.compilation_config
+    return {"compilation_mode": getattr(compilation.mode, "name", str(compilation.mode)),
+            "cudagraph_mode": getattr(compilation.cudagraph_mode, "name", str(compilation.cudagraph_mode)),
+            "cudagraph_capture_sizes": list(compilation.cudagraph_capture_sizes or [])}

@@ -1,0 +1,163 @@
+"""A grid of backend ``vllm`` drives vLLM's own graph machinery (``engine/graph_config.py``): the
+config path a CUDA (or Ascend) engine takes, exercised on CPU with real vLLM config objects."""
+from types import SimpleNamespace
+
+import pytest
+
+from graphchunk.graphs.buckets import load_grid, parse_grid
+
+VLLM_GRID = {"backend": "vllm", "grid": {"batch": [1, 4], "num_chunks": [8], "max_chunk_len": [512],
+                                         "max_sys_len": [64], "question_tokens": [24, 300]}}
+CUDA_DEFAULT_SIZES = [1, 2, 4] + list(range(8, 256, 8)) + list(range(256, 513, 16))
+"""vLLM 0.32's default cudagraph_capture_sizes on CUDA (max_num_seqs 256, no spec decode)."""
+
+
+def engine_args(**kwargs):
+    from vllm.engine.arg_utils import EngineArgs
+
+    from graphchunk.reference import models
+
+    return EngineArgs(model=str(models.tiny_checkpoint("llama3")), worker_cls="graphchunk.Runner", **kwargs)
+
+
+@pytest.mark.parametrize("platform, enforce_eager, backend, expected", [
+    ("cuda", False, "vllm", "FULL"),     # vLLM narrows it itself where attention cannot run mixed batches
+    ("cuda", True, "vllm", None),        # no graphs at all
+    ("npu", False, "vllm", None),        # vllm-ascend's default mode stays
+    ("cpu", False, "vllm", None),        # one dynamic-shape compiled graph, no CUDA graphs
+    ("cuda", False, "compile", None),    # not a grid for vLLM's graphs
+])
+def test_full_graphs_are_requested_on_cuda_only(platform, enforce_eager, backend, expected):
+    from graphchunk.engine.graph_config import request_graph_mode
+
+    args = engine_args(enforce_eager=enforce_eager)
+    given = args.compilation_config
+    request_graph_mode(args, parse_grid({**VLLM_GRID, "backend": backend}, "grid.toml"), platform)
+    mode = args.compilation_config.cudagraph_mode
+    assert (mode.name if mode is not None else None) == expected
+    assert given.cudagraph_mode is None  # the caller's config object is not changed
+
+
+def test_a_mode_the_user_chose_is_kept():
+    from vllm.config import CompilationConfig, CUDAGraphMode
+
+    from graphchunk.engine.graph_config import request_graph_mode
+
+    grid = parse_grid(VLLM_GRID, "grid.toml")
+    args = engine_args(compilation_config=CompilationConfig(cudagraph_mode=CUDAGraphMode.PIECEWISE))
+    request_graph_mode(args, grid, "cuda")
+    assert args.compilation_config.cudagraph_mode == CUDAGraphMode.PIECEWISE
+    as_dict = engine_args()
+    as_dict.compilation_config = {"mode": 3}
+    request_graph_mode(as_dict, grid, "cuda")
+    assert as_dict.compilation_config == {"mode": 3, "cudagraph_mode": "FULL"}
+
+
+def vllm_config(mode="FULL", sizes=CUDA_DEFAULT_SIZES, enforce_eager=False):
+    from vllm.config import CompilationConfig, CUDAGraphMode
+
+    compilation = CompilationConfig(cudagraph_mode=CUDAGraphMode[mode], cudagraph_capture_sizes=list(sizes))
+    compilation.max_cudagraph_capture_size = max(sizes) if sizes else 0
+    return SimpleNamespace(compilation_config=compilation, model_config=SimpleNamespace(enforce_eager=enforce_eager))
+
+
+def test_grid_token_counts_join_vllms_capture_sizes():
+    from graphchunk.engine.graph_config import add_capture_sizes, vllm_graphs
+
+    grid = parse_grid(VLLM_GRID, "grid.toml")  # token counts 24, 96, 300, 1200
+    config = vllm_config()
+    assert add_capture_sizes(config, grid, "cuda") == [300, 1200]  # 24 and 96 are vLLM defaults already
+    sizes = config.compilation_config.cudagraph_capture_sizes
+    assert sizes == sorted(set(CUDA_DEFAULT_SIZES) | {300, 1200})
+    assert config.compilation_config.max_cudagraph_capture_size == 1200
+    reported = vllm_graphs(config)
+    assert (reported["cudagraph_mode"], reported["cudagraph_capture_sizes"]) == ("FULL", sizes)
+    assert add_capture_sizes(config, grid, "cuda") == []  # idempotent
+    ascend = vllm_config("FULL_AND_PIECEWISE")
+    assert add_capture_sizes(ascend, grid, "npu") == [300, 1200]
+
+
+@pytest.mark.parametrize("platform, mode, enforce_eager", [("cpu", "FULL", False), ("cuda", "NONE", False),
+                                                            ("cuda", "FULL", True)])
+def test_nothing_is_added_where_vllm_runs_no_graphs(platform, mode, enforce_eager):
+    from graphchunk.engine.graph_config import add_capture_sizes
+
+    config = vllm_config(mode, enforce_eager=enforce_eager)
+    assert add_capture_sizes(config, parse_grid(VLLM_GRID, "grid.toml"), platform) == []
+    assert config.compilation_config.cudagraph_capture_sizes == CUDA_DEFAULT_SIZES
+
+
+def test_the_shipped_accelerator_grids_fit_vllms_defaults():
+    """h100 and ascend-910b name vLLM's graphs; their counts above vLLM's default ceiling are added."""
+    from graphchunk.engine.graph_config import add_capture_sizes
+
+    for name in ("h100", "ascend-910b"):
+        grid = load_grid(name)
+        config = vllm_config()
+        added = add_capture_sizes(config, grid, "cuda")
+        assert set(grid.token_counts) <= set(config.compilation_config.cudagraph_capture_sizes)
+        assert added == [n for n in grid.token_counts if n not in CUDA_DEFAULT_SIZES]
+
+
+def test_the_cuda_start_up_path_on_cpu(monkeypatch, tmp_path):
+    """The plugin's wrapper of EngineArgs.create_engine_config with the platform taken for CUDA:
+    the grid is read before the config is built, FULL graphs are requested, and check_config
+    accepts the built config (the CPU platform itself then keeps vLLM's CPU compilation)."""
+    import graphchunk.engine.graph_config as graph_config
+    import graphchunk.engine.worker as worker
+    from graphchunk.engine.plugin import register
+
+    register()
+    monkeypatch.setattr(graph_config, "platform_kind", lambda: "cuda")
+    monkeypatch.setattr(worker, "platform_kind", lambda: "cuda")
+    grid = tmp_path / "cuda.toml"
+    grid.write_text('backend = "vllm"\n[grid]\nbatch = [1]\nnum_chunks = [4]\nmax_chunk_len = [64]\n'
+                    'max_sys_len = [32]\nquestion_tokens = [24]\n')
+    args = engine_args(dtype="float32", max_model_len=1024, kv_cache_memory_bytes=1 << 28,
+                       additional_config={"graphchunk": {"templates": str(grid), "pool_tokens": 4096}})
+    config = args.create_engine_config()
+    assert args.compilation_config.cudagraph_mode.name == "FULL"
+    assert config.parallel_config.worker_cls == "graphchunk.Runner"
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_oracle_thread")
+def test_the_cpu_grid_runs_question_steps_on_vllms_compiled_graph():
+    """The shipped CPU grid (backend ``vllm``) in an engine started as a user starts one (no
+    --enforce-eager): graphchunk captures nothing, an all-hit question step runs on vLLM's compiled
+    dynamic-shape graph at its own size (counted replayed, unpadded, in its bucket), so does a step
+    no bucket holds (counted outside the buckets), and every answer equals the oracle's."""
+    import torch
+
+    from exactness import LIMITS, assert_matches_oracle, sampling
+    from graphchunk import GraphChunkLLM
+    from graphchunk.llm import RagPrompt
+    from graphchunk.reference import models
+    from graphchunk.reference.oracle import Oracle
+    from graphchunk.segments import split_at
+
+    tiny = str(models.tiny_checkpoint("llama3"))
+    docs = [" ".join(["alpha beta gamma delta"] * 8), " ".join(["one two three four five"] * 6)]
+    with GraphChunkLLM(tiny, dtype="float32", max_model_len=1024, kv_cache_memory_bytes=1 << 27, block_size=32,
+                       graphchunk={"pool_tokens": 4096, "templates": "cpu"}) as llm:
+        manifest = llm.templates_manifest()
+        assert (manifest["backend"], manifest["captured_by"]) == ("vllm", "vllm")
+        assert manifest["vllm_graphs"]["compilation_mode"] == "DYNAMO_TRACE_ONCE"
+        assert llm.stats()["graph_captures"] == 0
+        oracle = Oracle(tiny, dtype=torch.float32)
+        counters = ("graph_replays", "graph_padded", "graph_eager")
+        for chunks, question, expected in [(docs, "Which comes first?", None),          # misses: mixed step
+                                           (docs[::-1], "And which comes last?", (1, 0, 0)),
+                                           (docs, "x " * 200, (1, 0, 0))]:              # question > 128 tokens
+            before = llm.stats()
+            prompt = RagPrompt("Answer briefly.", chunks, question)
+            out = llm.generate(prompt, sampling(4))[0]
+            delta = tuple(int(llm.stats()[k] - before[k]) for k in counters)
+            if expected is not None:
+                assert delta == expected
+            ids, boundaries = llm.encode(prompt)
+            assert_matches_oracle(out, split_at(ids, boundaries, **LIMITS), oracle, 4)
+        manifest = llm.templates_manifest()
+        assert manifest["outside_buckets"] == {"replayed": 1, "padded": 0, "eager": 0}
+        assert sum(row["replayed"] for row in manifest["buckets"]) == 2
+        assert sum(row["padded"] + row["eager"] for row in manifest["buckets"]) == 0
