@@ -88,6 +88,16 @@ def test_a_refused_configuration_raises_in_the_users_process(smollm2_path):
                       graphchunk={"pool_tokens": 64})
 
 
+def test_a_pool_larger_than_the_kv_cache_is_refused_in_the_users_process(smollm2_path):
+    """SmolLM2 in fp32 holds 46080 bytes of KV per token: 65536 pool tokens need 2.8 GiB."""
+    from graphchunk import GraphChunkLLM
+
+    with pytest.raises(ConfigError, match=r"pool_tokens=65536 needs 3019898880 bytes .*--kv-cache-memory-bytes "
+                                          r"is 1073741824"):
+        GraphChunkLLM(str(smollm2_path), dtype="float32", kv_cache_memory_bytes=1 << 30,
+                      graphchunk={"pool_tokens": 65536})
+
+
 def test_store_path_is_checked_at_start_up(tmp_path):
     from graphchunk.reference import models
 

@@ -66,6 +66,26 @@ def check_config(vllm_config, config: GraphChunkConfig) -> None:
         raise ConfigError(f"graphchunk.pool_tokens={config.pool_tokens} is too small: the pool must hold a sys "
                           f"prompt of max_model_len tokens plus one chunk of max_chunk_len tokens, "
                           f"{needed * block_size} tokens at block size {block_size}")
+    check_pool_fits(vllm_config, config)
+
+
+def check_pool_fits(vllm_config, config: GraphChunkConfig) -> None:
+    """With ``--kv-cache-memory-bytes`` the pool's share of the KV cache is known before a worker
+    starts (the worker checks again against what it measured, ``determine_available_memory``)."""
+    cache, model = vllm_config.cache_config, vllm_config.model_config
+    kv_bytes = getattr(cache, "kv_cache_memory_bytes", None)
+    if not kv_bytes:
+        return
+    from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
+
+    dtype = model.dtype if cache.cache_dtype == "auto" else STR_DTYPE_TO_TORCH_DTYPE[cache.cache_dtype]
+    parallel = vllm_config.parallel_config
+    per_token = (2 * model.get_num_layers(parallel) * model.get_num_kv_heads(parallel) * model.get_head_size()
+                 * dtype.itemsize)
+    pool_bytes = -(-config.pool_tokens // cache.block_size) * cache.block_size * per_token
+    if pool_bytes >= kv_bytes:
+        raise ConfigError(f"graphchunk.pool_tokens={config.pool_tokens} needs {pool_bytes} bytes of KV cache but "
+                          f"--kv-cache-memory-bytes is {kv_bytes}: raise it, or lower pool_tokens")
 
 
 RUNNER_BACKENDS = ("vllm", "compile", "eager")
