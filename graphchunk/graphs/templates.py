@@ -10,8 +10,9 @@ token counts, ``engine/graph_config.py``; on CPU its one compiled dynamic-shape 
 
 Every step with a cached-chunk prefill in it is counted once (``count``): ``graph_replays`` when
 it ran a captured graph at exactly its token count, ``graph_padded`` when it ran one padded to
-more tokens, ``graph_eager`` otherwise (no bucket holds it, it mixes in other work, a replay miss,
-or vLLM ran it without a graph).
+more tokens, ``graph_eager`` otherwise: with graphchunk's templates, no bucket holds it, it mixes
+in other work, or a replay miss; with ``vllm``, vLLM dispatched it to no graph (a step no bucket
+holds counts by what vLLM ran, under ``outside_buckets`` in the manifest).
 """
 from __future__ import annotations
 
