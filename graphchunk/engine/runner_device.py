@@ -20,7 +20,7 @@ from graphchunk.device import PseudoSeq, slots_of
 
 class KVDeviceMixin:
     """``KVDevice`` methods of ``ChunkRunnerMixin``; ``gc_copier`` and ``gc_rotation`` are bound
-    with the KV cache (``model_runner._graphchunk_bind``)."""
+    with the KV cache (``runner_bind._graphchunk_bind``)."""
 
     gc_copier: KVCopier
 

@@ -11,6 +11,7 @@ dispatcher pads to its capture sizes by itself) and decides how the step runs;
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -98,3 +99,16 @@ class TemplateHooksMixin:
             if isinstance(value, torch.Tensor):
                 reads[f"attn_metadata.{field}"] = value
         return reads
+
+
+@contextlib.contextmanager
+def past_vllm_compiled_graph():
+    """vLLM's compiled models run their plain forward while the forward context says so."""
+    from vllm.forward_context import get_forward_context
+
+    context = get_forward_context()
+    saved, context.skip_compiled = context.skip_compiled, True
+    try:
+        yield
+    finally:
+        context.skip_compiled = saved
