@@ -83,6 +83,10 @@ class GraphChunkConfig:
         except ValueError as exc:
             raise ConfigError(f"graphchunk.recompute*: {exc}") from None
 
+    def pool_blocks(self, block_size: int) -> int:
+        """KV-cache blocks of ``block_size`` tokens that hold ``pool_tokens``."""
+        return -(-self.pool_tokens // block_size)
+
     @property
     def policy(self) -> RecomputePolicy:
         """The deployment's default recompute policy of blend requests."""

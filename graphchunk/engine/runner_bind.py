@@ -31,7 +31,7 @@ class PoolBindingMixin:
     """Methods of ``ChunkRunnerMixin``; ``gc_config`` and ``gc_metrics`` are set up there."""
 
     def pool_num_blocks(self) -> int:
-        return -(-self.gc_config.pool_tokens // self.cache_config.block_size)
+        return self.gc_config.pool_blocks(self.cache_config.block_size)
 
     def initialize_kv_cache(self, kv_cache_config, is_profiling: bool = False, kv_cache_allocation_context=None):
         if is_profiling:

@@ -62,7 +62,7 @@ def check_config(vllm_config, config: GraphChunkConfig) -> None:
     block_size = vllm_config.cache_config.block_size
     # One unit of chunk work holds a sys prompt (up to max_model_len) and one chunk.
     needed = -(-vllm_config.model_config.max_model_len // block_size) + 1 + -(-config.max_chunk_len // block_size)
-    if -(-config.pool_tokens // block_size) < needed:
+    if config.pool_blocks(block_size) < needed:
         raise ConfigError(f"graphchunk.pool_tokens={config.pool_tokens} is too small: the pool must hold a sys "
                           f"prompt of max_model_len tokens plus one chunk of max_chunk_len tokens, "
                           f"{needed * block_size} tokens at block size {block_size}")
@@ -82,7 +82,7 @@ def check_pool_fits(vllm_config, config: GraphChunkConfig) -> None:
     parallel = vllm_config.parallel_config
     per_token = (2 * model.get_num_layers(parallel) * model.get_num_kv_heads(parallel) * model.get_head_size()
                  * dtype.itemsize)
-    pool_bytes = -(-config.pool_tokens // cache.block_size) * cache.block_size * per_token
+    pool_bytes = config.pool_blocks(cache.block_size) * cache.block_size * per_token
     if pool_bytes >= kv_bytes:
         raise ConfigError(f"graphchunk.pool_tokens={config.pool_tokens} needs {pool_bytes} bytes of KV cache but "
                           f"--kv-cache-memory-bytes is {kv_bytes}: raise it, or lower pool_tokens")
