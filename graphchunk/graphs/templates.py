@@ -44,7 +44,9 @@ class CaptureReport:
     memory_bytes: int
 
 
-OUTCOMES = ("replayed", "padded", "eager")
+COUNTERS = {"replayed": "graph_replays", "padded": "graph_padded", "eager": "graph_eager"}
+"""Each outcome of a step with a cached-chunk prefill, and the metric counting it."""
+OUTCOMES = tuple(COUNTERS)
 
 
 class GraphTemplates:
@@ -97,7 +99,7 @@ class GraphTemplates:
 
     def count(self, outcome: str, bucket: Bucket | None) -> None:
         """Counts one step with a cached-chunk prefill (``OUTCOMES``)."""
-        counter = {"replayed": "graph_replays", "padded": "graph_padded", "eager": "graph_eager"}[outcome]
+        counter = COUNTERS[outcome]
         setattr(self.metrics, counter, getattr(self.metrics, counter) + 1)
         row = self.outcomes.setdefault(bucket.name if bucket else "", dict.fromkeys(OUTCOMES, 0))
         row[outcome] += 1
@@ -112,13 +114,12 @@ class GraphTemplates:
 
     def manifest(self, vllm_graphs: dict | None = None) -> dict:
         """What was captured (by graphchunk, per bucket; by vLLM, ``vllm_graphs``) and how steps ran."""
-        names = [report.bucket for report in self.reports] or [bucket.name for bucket in self.grid.buckets]
-        reports = {report.bucket: asdict(report) for report in self.reports}
+        reports = {report.bucket: asdict(report) for report in self.reports}  # none when vLLM captures
         zero = dict.fromkeys(OUTCOMES, 0)
         return {"grid": self.grid.source, "backend": self.grid.backend, "checked": self.grid.checked,
                 "captured_by": "graphchunk" if self.captures else "vllm", "vllm_graphs": vllm_graphs,
-                "buckets": [{"bucket": name, **reports.get(name, {}), **self.outcomes.get(name, zero)}
-                            for name in names],
+                "buckets": [{"bucket": b.name, **reports.get(b.name, {}), **self.outcomes.get(b.name, zero)}
+                            for b in self.grid.buckets],
                 "outside_buckets": self.outcomes.get("", zero)}
 
 
