@@ -21,8 +21,7 @@ def write(dtype):
 
 
 def cpu_slot_map(write_kv, dtype) -> KVSlotMap:
-    return KVSlotMap.probe(write_kv, lambda n: torch.zeros((n, HEADS, BS, 2 * DIM), dtype=dtype),
-                           BS, HEADS, DIM, dtype, "cpu")
+    return KVSlotMap.probe(write_kv, torch.zeros((BLOCKS, HEADS, BS, 2 * DIM), dtype=dtype), 0, BS, HEADS, DIM)
 
 
 def layer_caches(dtype, shared: bool):

@@ -1,15 +1,24 @@
-"""Token-granular access to a paged KV cache whose in-block layout belongs to the backend.
+"""Token-granular access to a paged KV cache whose layout belongs to vLLM and the backend.
 
-Backends pack a block their own way (vLLM's CPU backend stores K transposed within a block), so
-graphchunk never assumes a layout: it writes probe values through the backend's own KV-write op
-into a two-block scratch cache and reads back where each (slot offset, K/V, head, dim) landed.
-When, as for every backend seen so far, each of K and V is an affine (strided) map of
-(block, offset, head, dim), copies run as strided slice copies over all layers at once, one per
-run of slots that are consecutive on both sides; otherwise as flat element gathers. Blend mode's
-copies move keys to another position (``copy_slots_rotated``): K is gathered for all layers and
-tokens at once, rotated (``rope.KeyRotation``) and scattered; V is copied as is.
+vLLM 0.32 views each layer's cache as logical ``[blocks, heads, block_size, 2 * head_size]``
+whose physical order is a ``KVCacheLayout`` (LBHNC on the CPU backend, LBNHC by default on CUDA,
+block-outermost ones where layers share each block): the per-layer tensor is a strided view, not
+contiguous in general. Backends then pack a block their own way on top (vLLM's CPU backend reads
+a block as ``[heads, 2 * block_size, head_size]`` and may store K transposed). So graphchunk
+assumes neither: it writes probe values through the backend's own KV-write op into a two-block
+scratch with the real cache's very strides (``KVSlotMap.probe``), reads back where each (slot
+offset, K/V, head, dim) landed in storage, and checks the map once on the real cache's own
+unused pool slot (``KVSlotMap.verify``). Offsets are relative to a layer's first element, so they
+hold for every layer of any layout. When, as for every backend seen so far, each of K and V is an
+affine (strided) map of (block, offset, head, dim), copies run as strided slice copies over all
+layers at once, one per run of slots that are consecutive on both sides; otherwise as flat
+element gathers. Blend mode's copies move keys to another position (``copy_slots_rotated``): K is
+gathered for all layers and tokens at once, rotated (``rope.KeyRotation``) and scattered; V is
+copied as is.
 """
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import torch
@@ -25,31 +34,49 @@ class KVSlotMap:
         self.strides = [_affine_strides(coords[:, kind]) for kind in (0, 1)]
 
     @classmethod
-    def probe(cls, write_kv, make_cache, block_size: int, num_heads: int, head_size: int,
-              dtype: torch.dtype, device) -> "KVSlotMap":
-        """``write_kv(key, value, cache, slot_mapping)`` is the backend's write op;
-        ``make_cache(num_blocks)`` an empty cache of the real per-layer shape."""
-        cache = make_cache(2)
-        coords = torch.full((2, block_size, 2, num_heads, head_size), -1, dtype=torch.long)
-        ramp = torch.arange(1, head_size + 1, device=device).to(dtype)  # small integers: exact in any float dtype
-        for block in range(2):
-            for offset in range(block_size):
-                slot = torch.tensor([block * block_size + offset], device=device)
-                for head in range(num_heads):
-                    key = torch.zeros(1, num_heads, head_size, dtype=dtype, device=device)
-                    key[0, head] = ramp
-                    cache.zero_()
-                    write_kv(key, -key, cache, slot)
-                    flat = _storage_view(cache).float().cpu()
-                    for kind, sign in ((0, 1.0), (1, -1.0)):
-                        where = torch.nonzero(flat * sign > 0).flatten()
-                        coords[block, offset, kind, head, (flat[where] * sign).long() - 1] = where
+    def probe(cls, write_kv, like: torch.Tensor, block_dim: int, block_size: int, num_heads: int,
+              head_size: int) -> "KVSlotMap":
+        """``write_kv(key, value, cache, slot_mapping)`` is the backend's write op; ``like`` a
+        layer's real cache, whose shape and strides the two-block scratch probed takes."""
+        cache = scratch_like(like, block_dim, 2)
+        shape = (2 * block_size, 2, num_heads, head_size)  # (slot, K/V, head, dim) of two blocks
+        codes = torch.arange(1, math.prod(shape) + 1).view(shape)  # each element's id + 1; 0: not written
+        found = torch.zeros(_storage_view(cache).numel(), dtype=torch.long)
+        slots = torch.arange(shape[0], device=like.device)
+        for shift in range(0, int(codes.max()).bit_length(), 8):  # a byte of each code per write:
+            digits = ((codes >> shift) & 255).to(like.dtype).to(like.device)  # exact in bf16 and wider
+            cache.zero_()
+            write_kv(digits[:, 0].contiguous(), digits[:, 1].contiguous(), cache, slots)
+            found += _storage_view(cache).float().cpu().long() << shift
+        where = torch.nonzero(found).flatten()
+        coords = torch.full((math.prod(shape),), -1, dtype=torch.long)
+        if len(where) == coords.numel() and int(found.max()) <= coords.numel():
+            coords[found[where] - 1] = where
         if (coords < 0).any():
-            raise RuntimeError("KV layout probe: the backend's write op did not place every element")
+            raise RuntimeError("KV layout probe: the backend's write op did not place every element exactly once")
+        coords = coords.view(2, block_size, *shape[1:])
         stride = coords[1] - coords[0]
         if not (stride == stride.flatten()[0]).all():
             raise RuntimeError("KV layout probe: blocks are not evenly strided in storage")
         return cls(coords[0], int(stride.flatten()[0]))
+
+    def verify(self, write_kv, cache: torch.Tensor, slot: int) -> None:
+        """Checks the map on a real cache: random K/V written through the backend's op at ``slot``
+        (an unused one: a pool slot at start-up) are where the map says; the slot is restored."""
+        flat = _storage_view(cache)
+        where = self.offsets(np.array([slot])).to(cache.device)
+        saved = flat[where].clone()
+        generator = torch.Generator().manual_seed(slot)
+        key, value = (torch.randn(1, *self.coords.shape[2:], generator=generator).to(cache.dtype).to(cache.device)
+                      for _ in range(2))
+        try:
+            write_kv(key, value, cache, torch.tensor([slot], device=cache.device))
+            got = flat[where].view(2, *self.coords.shape[2:])
+            if not (torch.equal(got[0], key[0]) and torch.equal(got[1], value[0])):
+                raise RuntimeError("KV layout probe: the probed slot map does not address the real KV cache "
+                                   f"(shape {list(cache.shape)}, strides {list(cache.stride())})")
+        finally:
+            flat[where] = saved
 
     def offsets(self, slots: np.ndarray) -> torch.Tensor:
         """Flat storage offsets [n * elements] of the given slots."""
@@ -73,6 +100,15 @@ def _affine_strides(coords: torch.Tensor) -> tuple[int, int, int, int] | None:
     grids = torch.meshgrid(*(torch.arange(n) for n in coords.shape), indexing="ij")
     predicted = first + sum(g * s for g, s in zip(grids, steps))
     return (first, *steps) if torch.equal(predicted, coords) else None
+
+
+def scratch_like(like: torch.Tensor, block_dim: int, num_blocks: int) -> torch.Tensor:
+    """Zeros shaped like ``like`` with ``num_blocks`` blocks and ``like``'s very strides (so the
+    storage offsets measured in it are the real cache's, gaps of a strided layout included)."""
+    shape = list(like.shape)
+    shape[block_dim] = num_blocks
+    span = 1 + sum((size - 1) * stride for size, stride in zip(shape, like.stride()))
+    return torch.zeros(span, dtype=like.dtype, device=like.device).as_strided(shape, like.stride())
 
 
 def _storage_view(cache: torch.Tensor) -> torch.Tensor:

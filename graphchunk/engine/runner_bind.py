@@ -51,10 +51,10 @@ class PoolBindingMixin:
         layer_names = sorted(groups[0].layer_names, key=extract_layer_index)
         forward_context = self.compilation_config.static_forward_context
         self.gc_layers = [forward_context[name] for name in layer_names]
-        slot_map = self._probe_kv_layout(self.gc_layers[0], groups[0].kv_cache_spec)
         num_blocks = self.kv_cache_config.num_blocks
-        self.gc_copier = KVCopier([layer.kv_cache for layer in self.gc_layers], slot_map, num_blocks,
-                                  list(self.gc_layers[0].kv_cache.shape).index(num_blocks))
+        block_dim = list(self.gc_layers[0].kv_cache.shape).index(num_blocks)
+        slot_map = self._probe_kv_layout(self.gc_layers[0], groups[0].kv_cache_spec, block_dim)
+        self.gc_copier = KVCopier([layer.kv_cache for layer in self.gc_layers], slot_map, num_blocks, block_dim)
         pool = ChunkPool(self.pool_num_blocks(), self.cache_config.block_size, first_pool_block, self.gc_metrics,
                          policy=self.gc_config.eviction)
         model = self.model_config
@@ -114,20 +114,17 @@ class PoolBindingMixin:
                 raise
             logger.warning("graphchunk: CacheBlend unavailable (full prefill instead): %s", exc)
 
-    def _probe_kv_layout(self, layer, spec) -> KVSlotMap:
-        kv = layer.kv_cache
-        block_dim = list(kv.shape).index(self.kv_cache_config.num_blocks)
-
-        def make_cache(num_blocks):
-            shape = list(kv.shape)
-            shape[block_dim] = num_blocks
-            return torch.zeros(shape, dtype=kv.dtype, device=kv.device)
-
+    def _probe_kv_layout(self, layer, spec, block_dim: int) -> KVSlotMap:
+        """The backend's placement of a slot's K/V in the real cache: probed through its own write
+        op on a scratch with the real cache's strides (vLLM's resolved ``KVCacheLayout``), then
+        checked on the real cache's last pool slot, unused at start-up."""
         def write_kv(key, value, cache, slot_mapping):
             layer.impl.do_kv_cache_update(layer, key, value, cache, slot_mapping)
 
-        return KVSlotMap.probe(write_kv, make_cache, spec.block_size, spec.num_kv_heads, spec.head_size,
-                               kv.dtype, kv.device)
+        slot_map = KVSlotMap.probe(write_kv, layer.kv_cache, block_dim, spec.block_size, spec.num_kv_heads,
+                                   spec.head_size)
+        slot_map.verify(write_kv, layer.kv_cache, self.kv_cache_config.num_blocks * spec.block_size - 1)
+        return slot_map
 
 
 def _with_extra_blocks(vllm_config, kv_cache_config, extra: int):

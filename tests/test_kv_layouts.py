@@ -1,0 +1,236 @@
+"""KV layout conformance: graphchunk's slot copies, rotated copies, key reads and block moves on
+caches built the way vLLM's worker builds them, in every ``KVCacheLayout``, checked by logical
+indexing (DESIGN.md §7).
+
+vLLM 0.32 views each layer's cache as logical ``[blocks, heads, block_size, 2 * head_size]`` (K in
+the first half of the last axis); the physical order comes from the layout: the caches here come
+from vLLM's own ``get_kv_cache_config_from_groups`` (strides by ``compute_layout_strides``) and
+``allocate_kv_cache``, as in ``GPUModelRunner.initialize_kv_cache_tensors``. They are written
+through a torch reference of each backend's KV-write op:
+
+* ``flash``: ``reshape_and_cache_flash`` over ``kv_cache.transpose(1, 2).split(head_size, -1)``
+  (``[B, N, H, D]`` views of K and V), the write of FlashAttention, FlashInfer (every KV dtype
+  but NVFP4), FlexAttention and, as ``triton_reshape_and_cache_flash`` with the same contract,
+  Triton attention; the reference is itself checked against the logical view below;
+* ``cpu``: vLLM's CPU attention kernel itself (``cpu_attn_reshape_and_cache``), in the one layout
+  the CPU backend accepts, LBHNC.
+
+The slot map comes from the code path the runner uses (``KVSlotMap.probe`` on the real layer's
+cache, then ``verify`` on it), and the copier is the runner's (``KVCopier``).
+"""
+import numpy as np
+import pytest
+import torch
+from vllm.config import CacheConfig, VllmConfig
+from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
+from vllm.v1.kv_cache_layout import KVCacheLayout
+from vllm.v1.worker.utils import allocate_kv_cache
+
+from graphchunk.blend.rope import KeyRotation
+from graphchunk.cache.kv_slots import KVCopier, KVSlotMap
+
+BS, HEADS, DIM, LAYERS, BLOCKS = 32, 3, 64, 4, 6
+NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+DTYPES = [torch.float32, torch.bfloat16]
+LAYOUTS = list(KVCacheLayout)
+
+
+def vllm_caches(layout: KVCacheLayout, dtype) -> list[torch.Tensor]:
+    """Per-layer caches in model order, allocated by vLLM's worker code for ``layout``."""
+    cache_config = CacheConfig(block_size=BS, num_gpu_blocks_override=BLOCKS)
+    cache_config.kv_cache_layout = layout.name
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=DIM, dtype=dtype)
+    config = get_kv_cache_config_from_groups(VllmConfig(cache_config=cache_config),
+                                             [KVCacheGroupSpec(NAMES, spec)], 1 << 30)
+    assert config.num_blocks == BLOCKS
+    caches = allocate_kv_cache(config, torch.device("cpu"), layout, [BS])
+    return [caches[name] for name in NAMES]
+
+
+def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping):
+    """vLLM's ``_C_cache_ops.reshape_and_cache_flash`` for an unquantized cache: token t goes to
+    ``[slot // block_size, slot % block_size, head]`` of the ``[B, N, H, D]`` views; negative
+    slots are skipped; the number of tokens is the slot mapping's."""
+    key, value = key[: len(slot_mapping)], value[: len(slot_mapping)]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    block_size = key_cache.shape[1]
+    key_cache[slots // block_size, slots % block_size] = key[keep]
+    value_cache[slots // block_size, slots % block_size] = value[keep]
+
+
+def write_flash(key, value, kv_cache, slot_mapping):
+    key_cache, value_cache = kv_cache.transpose(1, 2).split(DIM, dim=-1)
+    reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping)
+
+
+def write_cpu(dtype):
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    isa = _get_attn_isa(dtype, BS, DIM)
+
+    def write_kv(key, value, kv_cache, slot_mapping):
+        k_cache, v_cache = kv_cache.view(kv_cache.shape[0], HEADS, 2 * BS, DIM).chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, isa)
+    return write_kv
+
+
+CASES = [(layout, "flash", dtype) for layout in LAYOUTS for dtype in DTYPES] + \
+        [(KVCacheLayout.LBHNC, "cpu", dtype) for dtype in DTYPES]
+IDS = [f"{layout.name}-{backend}-{str(dtype).removeprefix('torch.')}" for layout, backend, dtype in CASES]
+
+
+def writer(backend: str, dtype):
+    return write_flash if backend == "flash" else write_cpu(dtype)
+
+
+def filled(layout, backend, dtype, seed: int):
+    """vLLM's caches with random K/V written through the backend's op at every slot, and the K/V
+    written ([layers, slots, heads, head_size] each)."""
+    caches = vllm_caches(layout, dtype)
+    write_kv = writer(backend, dtype)
+    generator = torch.Generator().manual_seed(seed)
+    slots = torch.arange(BLOCKS * BS)
+    keys, values = (torch.randn(LAYERS, len(slots), HEADS, DIM, generator=generator).to(dtype) for _ in range(2))
+    for cache, key, value in zip(caches, keys, values):
+        write_kv(key, value, cache, slots)
+    return caches, keys, values
+
+
+def copier_for(caches, backend, dtype) -> KVCopier:
+    """The runner's path (``runner_bind._probe_kv_layout``): probe on layer 0's real cache, verify
+    on its last slot, one copier over every layer."""
+    write_kv = writer(backend, dtype)
+    slot_map = KVSlotMap.probe(write_kv, caches[0], 0, BS, HEADS, DIM)
+    slot_map.verify(write_kv, caches[0], BLOCKS * BS - 1)
+    return KVCopier(caches, slot_map, BLOCKS, 0)
+
+
+def logical_keys(cache: torch.Tensor, slots: np.ndarray) -> torch.Tensor:
+    """K [n, heads, head_size] of ``slots`` by logical indexing (vLLM's contract for GPU backends)."""
+    slots = torch.from_numpy(np.asarray(slots, np.int64))
+    return cache[slots // BS, :, slots % BS, :DIM]
+
+
+SRC = np.arange(70) + 1 * BS + 5                                                  # crosses blocks at offset 5
+DST = np.concatenate([np.arange(40) + 3 * BS + 17, np.arange(30) + 5 * BS + 1])   # other offsets, disjoint
+
+
+def rotation() -> KeyRotation:
+    angles = torch.arange(300.0)[:, None] * (1e-2 ** (torch.arange(0, DIM, 2) / DIM))[None]
+    return KeyRotation(torch.cat([angles.cos(), angles.sin()], dim=-1), DIM, is_neox_style=True)
+
+
+def moved(layout, backend, dtype, caches, keys, values, deltas=None) -> list[torch.Tensor]:
+    """Every layer as it must be after moving SRC's K/V to DST (K rotated by ``deltas``): a copy of
+    ``caches`` with the moved values written at DST through the backend's own op."""
+    want = vllm_caches(layout, dtype)
+    write_kv = writer(backend, dtype)
+    for cache, target, key, value in zip(caches, want, keys, values):
+        target.copy_(cache)
+        key = key[SRC] if deltas is None else rotation().rotate(key[SRC], torch.from_numpy(deltas))
+        write_kv(key, value[SRC], target, torch.from_numpy(DST))
+    return want
+
+
+# --- the caches are what vLLM builds -----------------------------------------------------------
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=[x.name for x in LAYOUTS])
+def test_vllm_allocates_the_layout_physically(layout):
+    """The per-layer caches are strided views of one buffer in the layout's physical order: only
+    LBHNC is what a contiguous stand-in would be."""
+    caches = vllm_caches(layout, torch.float32)
+    assert all(c.shape == (BLOCKS, HEADS, BS, 2 * DIM) for c in caches)
+    assert len({c.untyped_storage().data_ptr() for c in caches}) == 1
+    strides = caches[0].stride()
+    physical = sorted(range(4), key=lambda d: -strides[d])  # logical [B, H, N, C] axes, outermost first
+    assert tuple(physical) == layout.layer_view_order
+    assert caches[0].is_contiguous() == (layout is KVCacheLayout.LBHNC)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=[x.name for x in LAYOUTS])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_flash_write_reference_follows_the_logical_view(layout, dtype):
+    """The reference write op puts token t's K at ``cache[block, head, offset, :D]`` and V at
+    ``[..., D:]`` of the logical view, touching nothing else, whatever the physical order."""
+    cache = vllm_caches(layout, dtype)[1]
+    before = cache.clone()
+    slots = torch.tensor([3, BS + 7, 4 * BS + 31, -1])
+    key, value = torch.randn(4, HEADS, DIM).to(dtype), torch.randn(4, HEADS, DIM).to(dtype)
+    write_flash(key, value, cache, slots)
+    for t, slot in enumerate(slots.tolist()[:3]):
+        assert torch.equal(cache[slot // BS, :, slot % BS, :DIM], key[t])
+        assert torch.equal(cache[slot // BS, :, slot % BS, DIM:], value[t])
+        before[slot // BS, :, slot % BS] = cache[slot // BS, :, slot % BS]
+    assert torch.equal(cache, before), "only the written slots changed"
+
+
+# --- graphchunk's copies ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("gather", [False, True], ids=["strided", "gather"])
+@pytest.mark.parametrize("layout,backend,dtype", CASES, ids=IDS)
+def test_slot_copy(layout, backend, dtype, gather):
+    """``copy_slots`` (an isolated chunk placed at an offset that is not block-aligned) leaves every
+    layer exactly as writing the source's K/V at the destination through the backend would."""
+    caches, keys, values = filled(layout, backend, dtype, seed=1)
+    want = moved(layout, backend, dtype, caches, keys, values)
+    copier = copier_for(caches, backend, dtype)
+    if gather:
+        copier.views = None  # the flat-gather path for layouts that are not affine
+    copier.copy_slots(SRC, DST)
+    for layer, (got, expected) in enumerate(zip(caches, want)):
+        assert torch.equal(got, expected), f"layer {layer}"
+
+
+@pytest.mark.parametrize("gather", [False, True], ids=["strided", "gather"])
+@pytest.mark.parametrize("layout,backend,dtype", CASES, ids=IDS)
+def test_rotated_copy_and_key_reads(layout, backend, dtype, gather):
+    """Blend's copy: K rotated by each slot's delta, V as is, every layer; ``read_keys`` (CacheBlend's
+    check) reads back the keys written, which on GPU layouts are the logical view's."""
+    deltas = np.arange(70) % 7 + 190
+    caches, keys, values = filled(layout, backend, dtype, seed=2)
+    want = moved(layout, backend, dtype, caches, keys, values, deltas)
+    copier = copier_for(caches, backend, dtype)
+    if gather:
+        copier.views = None
+    copier.copy_slots_rotated(SRC, DST, deltas, rotation())
+    rotated = rotation().rotate(keys[:, SRC], torch.from_numpy(deltas))
+    for layer, (got, expected) in enumerate(zip(caches, want)):
+        assert torch.equal(got, expected), f"layer {layer}"
+        assert torch.equal(copier.read_keys(layer, DST), rotated[layer])
+        assert torch.equal(copier.read_keys(layer, SRC), keys[layer, SRC])
+        if backend == "flash":
+            assert torch.equal(logical_keys(got, DST), rotated[layer])
+
+
+@pytest.mark.parametrize("layout,backend,dtype", CASES, ids=IDS)
+def test_block_copy_and_tier_blocks(layout, backend, dtype):
+    """Whole blocks (the sys prompt's partial last block, the tier's payload) move with every layer."""
+    caches, _, _ = filled(layout, backend, dtype, seed=3)
+    copier = copier_for(caches, backend, dtype)
+    data = copier.read_blocks([2, 5])
+    assert list(data.shape) == [LAYERS, 2, HEADS, BS, 2 * DIM]
+    want = [c.clone() for c in caches]
+    for w in want:
+        w[[0, 3]] = w[[2, 5]]
+    copier.write_blocks([0, 3], data)
+    assert all(torch.equal(c, w) for c, w in zip(caches, want))
+    for w in want:
+        w[4] = w[1]
+    copier.copy_blocks([1], [4])
+    assert all(torch.equal(c, w) for c, w in zip(caches, want))
+
+
+@pytest.mark.parametrize("layout", [x for x in LAYOUTS if x is not KVCacheLayout.LBHNC], ids=lambda x: x.name)
+def test_a_map_probed_on_a_contiguous_stand_in_is_refused(layout):
+    """What graphchunk did before: probing a contiguous scratch measures LBHNC offsets. On any other
+    layout the check on the real cache refuses that map instead of copying the wrong elements."""
+    caches = vllm_caches(layout, torch.float32)
+    stand_in = torch.zeros(BLOCKS, HEADS, BS, 2 * DIM)
+    wrong = KVSlotMap.probe(write_flash, stand_in, 0, BS, HEADS, DIM)
+    with pytest.raises(RuntimeError, match="does not address the real KV cache"):
+        wrong.verify(write_flash, caches[0], BLOCKS * BS - 1)
+    right = KVSlotMap.probe(write_flash, caches[0], 0, BS, HEADS, DIM)
+    assert (right.coords.tolist(), right.block_stride) != (wrong.coords.tolist(), wrong.block_stride)
