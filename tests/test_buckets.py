@@ -23,7 +23,7 @@ def shape(chunks, question, sys=10):
     return RequestShape(sys, tuple(chunks), question)
 
 
-@pytest.mark.parametrize("name, backend, count", [("cpu", CPU_BACKEND, 24), ("h100", "vllm", 192),
+@pytest.mark.parametrize("name, backend, count", [("cpu", CPU_BACKEND, 24), ("h100", "vllm", 144),
                                                   ("ascend-910b", "vllm", 24)])
 def test_shipped_grids(name, backend, count):
     grid = load_grid(name)
@@ -119,6 +119,24 @@ def test_runner_refuses_device_graph_backends_and_oversized_buckets(monkeypatch)
     check_grid(config, parse_grid({**GRID, "backend": "vllm"}, "cuda.toml"))
     config.model_config.enforce_eager = True
     check_grid(config, GRID_BUCKETS)
+
+
+@pytest.mark.parametrize("platform", ["cuda", "npu"])
+def test_eager_templates_are_refused_under_vllms_graphs(monkeypatch, platform):
+    """Backend 'eager' pads a template step to its bucket's token count in vLLM's batch descriptor
+    (runner_templates); under vLLM's CUDA/ACL graphs that descriptor was never captured."""
+    import graphchunk.engine.worker as worker
+
+    config = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_batched_tokens=64),
+                             model_config=SimpleNamespace(enforce_eager=False))
+    eager = parse_grid({**GRID, "backend": "eager"}, "eager.toml")
+    check_grid(config, eager)  # CPU: vLLM's one compiled graph takes any token count
+    monkeypatch.setattr(worker, "platform_kind", lambda: platform)
+    with pytest.raises(ConfigError, match=f"uses backend 'eager'.*never captured; use backend 'vllm' there.*"
+                                          f"--enforce-eager"):
+        check_grid(config, eager)
+    config.model_config.enforce_eager = True  # no graphs in vLLM: the descriptor dispatches nothing
+    check_grid(config, eager)
 
 
 # --- backends -----------------------------------------------------------------------------------

@@ -61,20 +61,35 @@ def vllm_config(mode="FULL", sizes=CUDA_DEFAULT_SIZES, enforce_eager=False):
     return SimpleNamespace(compilation_config=compilation, model_config=SimpleNamespace(enforce_eager=enforce_eager))
 
 
-def test_grid_token_counts_join_vllms_capture_sizes():
+def test_grid_token_counts_join_vllms_capture_sizes_below_its_ceiling():
+    """Only up to vLLM's largest capture size: raising it to 1200 would pad every ordinary step of
+    513-1200 tokens to 1200 (vLLM pads every step to its next capture size)."""
     from graphchunk.engine.graph_config import add_capture_sizes, vllm_graphs
 
     grid = parse_grid(VLLM_GRID, "grid.toml")  # token counts 24, 96, 300, 1200
     config = vllm_config()
-    assert add_capture_sizes(config, grid, "cuda") == [300, 1200]  # 24 and 96 are vLLM defaults already
+    assert add_capture_sizes(config, grid, "cuda") == [300]  # 24 and 96 are vLLM defaults already
     sizes = config.compilation_config.cudagraph_capture_sizes
-    assert sizes == sorted(set(CUDA_DEFAULT_SIZES) | {300, 1200})
-    assert config.compilation_config.max_cudagraph_capture_size == 1200
+    assert sizes == sorted(set(CUDA_DEFAULT_SIZES) | {300})
+    assert config.compilation_config.max_cudagraph_capture_size == 512  # 1200 is left out
     reported = vllm_graphs(config)
     assert (reported["cudagraph_mode"], reported["cudagraph_capture_sizes"]) == ("FULL", sizes)
     assert add_capture_sizes(config, grid, "cuda") == []  # idempotent
     ascend = vllm_config("FULL_AND_PIECEWISE")
-    assert add_capture_sizes(ascend, grid, "npu") == [300, 1200]
+    assert add_capture_sizes(ascend, grid, "npu") == [300]
+
+
+def test_a_ceiling_the_user_raised_takes_the_grids_larger_sizes():
+    """-cc '{"max_cudagraph_capture_size": 2048}': vLLM's own 16-token stride up to 2048, and the
+    grid's 900 joins it (300 too; both off vLLM's stride); the ceiling stays the user's."""
+    from graphchunk.engine.graph_config import add_capture_sizes
+
+    grid = parse_grid({**VLLM_GRID, "grid": {**VLLM_GRID["grid"], "batch": [1, 3]}}, "grid.toml")  # 24 72 300 900
+    raised = CUDA_DEFAULT_SIZES + list(range(528, 2049, 16))
+    config = vllm_config(sizes=raised)
+    assert add_capture_sizes(config, grid, "cuda") == [300, 900]
+    assert config.compilation_config.max_cudagraph_capture_size == 2048
+    assert config.compilation_config.cudagraph_capture_sizes == sorted(set(raised) | {300, 900})
 
 
 @pytest.mark.parametrize("platform, mode, enforce_eager", [("cpu", "FULL", False), ("cuda", "NONE", False),
@@ -87,16 +102,19 @@ def test_nothing_is_added_where_vllm_runs_no_graphs(platform, mode, enforce_eage
     assert config.compilation_config.cudagraph_capture_sizes == CUDA_DEFAULT_SIZES
 
 
-def test_the_shipped_accelerator_grids_fit_vllms_defaults():
-    """h100 and ascend-910b name vLLM's graphs; their counts above vLLM's default ceiling are added."""
+def test_the_shipped_accelerator_grids_fit_vllms_default_ceiling():
+    """h100 and ascend-910b name vLLM's graphs; every count is within vLLM's default largest
+    capture size (512), so every bucket is captured and vLLM's ceiling stays where it was."""
     from graphchunk.engine.graph_config import add_capture_sizes
 
     for name in ("h100", "ascend-910b"):
         grid = load_grid(name)
+        assert max(grid.token_counts) <= max(CUDA_DEFAULT_SIZES), name
         config = vllm_config()
         added = add_capture_sizes(config, grid, "cuda")
         assert set(grid.token_counts) <= set(config.compilation_config.cudagraph_capture_sizes)
         assert added == [n for n in grid.token_counts if n not in CUDA_DEFAULT_SIZES]
+        assert config.compilation_config.max_cudagraph_capture_size == max(CUDA_DEFAULT_SIZES)
 
 
 def test_the_cuda_start_up_path_on_cpu(monkeypatch, tmp_path):

@@ -8,15 +8,18 @@ from graphchunk.engine.worker import check_config
 
 
 def vllm_config(**overrides):
-    config = dict(use_v2_model_runner=False, pp=1, speculative_config=None, block_size=32, max_model_len=2048)
+    config = dict(use_v2_model_runner=False, pp=1, dp=1, speculative_config=None, lora_config=None, block_size=32,
+                  cache_dtype="auto", max_model_len=2048, hf_config=SimpleNamespace(rope_theta=1e4))
     config.update(overrides)
+    rope = getattr(config["hf_config"], "rope_parameters", None) or {}
     return SimpleNamespace(
         use_v2_model_runner=config["use_v2_model_runner"],
-        parallel_config=SimpleNamespace(pipeline_parallel_size=config["pp"]),
+        parallel_config=SimpleNamespace(pipeline_parallel_size=config["pp"], data_parallel_size=config["dp"]),
         speculative_config=config["speculative_config"],
-        cache_config=SimpleNamespace(block_size=config["block_size"]),
-        model_config=SimpleNamespace(max_model_len=config["max_model_len"],
-                                     hf_config=config.get("hf_config", SimpleNamespace(rope_theta=1e4))),
+        lora_config=config["lora_config"],
+        cache_config=SimpleNamespace(block_size=config["block_size"], cache_dtype=config["cache_dtype"]),
+        model_config=SimpleNamespace(max_model_len=config["max_model_len"], hf_config=config["hf_config"],
+                                     uses_mrope="mrope_section" in rope),  # as vLLM's ModelConfig decides
     )
 
 
@@ -29,17 +32,68 @@ def test_valid_config_passes():
     ({"pp": 2}, {}, "pipeline parallelism"),
     ({"speculative_config": object()}, {}, "speculative decoding"),
     ({}, {"pool_tokens": 2048, "max_chunk_len": 512}, "pool_tokens=2048 is too small"),
+    ({"dp": 2}, {}, r"data parallelism \(data_parallel_size=2\)"),
+    ({"lora_config": object()}, {}, r"LoRA \(enable_lora\)"),
+    ({"cache_dtype": "fp8"}, {}, r"quantized KV cache, kv_cache_dtype='fp8' \(--kv-cache-dtype"),
+    ({"cache_dtype": "fp8_e5m2"}, {}, r"quantized KV cache, kv_cache_dtype='fp8_e5m2' \(--kv-cache-dtype"),
+    ({"hf_config": SimpleNamespace(rope_theta=1e4, rope_parameters={"rope_type": "default",
+                                                                    "mrope_section": [16, 24, 24]})},
+     {}, r"M-RoPE .*uses_mrope"),
 ])
 def test_misconfigurations_are_named(overrides, gc, message):
     with pytest.raises(ConfigError, match=message):
         check_config(vllm_config(**overrides), GraphChunkConfig(**{"pool_tokens": 65536, **gc}))
 
 
+def mrope_checkpoint(directory, section_key: str):
+    """The tiny Qwen2 checkpoint with an M-RoPE section in its rope parameters: the key vLLM reads
+    in a Qwen2-VL / Qwen2.5-VL text config (``mrope_section``) or HunYuan-VL's (``xdrope_section``)."""
+    import json
+
+    from graphchunk.reference import models
+
+    tiny = models.tiny_checkpoint("qwen2")
+    directory.mkdir()
+    for path in tiny.iterdir():
+        if path.name != "config.json":
+            (directory / path.name).symlink_to(path)
+    config = json.loads((tiny / "config.json").read_text())
+    config["rope_parameters"] = {**config["rope_parameters"], section_key: [4, 6, 6]}
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+@pytest.mark.parametrize("setting, message", [
+    ({"data_parallel_size": 2}, r"data parallelism \(data_parallel_size=2\)"),
+    ({"enable_lora": True}, r"LoRA \(enable_lora\)"),
+    ({"kv_cache_dtype": "fp8"}, r"quantized KV cache, kv_cache_dtype='fp8' \(--kv-cache-dtype"),
+    ({"model": "mrope_section"}, r"M-RoPE .*uses_mrope"),
+    ({"model": "xdrope_section"}, r"M-RoPE .*uses_mrope"),
+])
+def test_unsupported_vllm_settings_are_refused_where_the_config_is_built(setting, message, tmp_path):
+    """Real EngineArgs, built as ``vllm serve`` / ``LLM`` build them (no engine is started): the
+    plugin's create_engine_config wrapper refuses each in the user's process, by setting."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from graphchunk.engine.plugin import register
+    from graphchunk.reference import models
+
+    register()
+    if "model" in setting:
+        setting = {"model": str(mrope_checkpoint(tmp_path / "mrope", setting["model"]))}
+    args = {"model": str(models.tiny_checkpoint("llama3")), "dtype": "float32", "max_model_len": 1024,
+            "kv_cache_memory_bytes": 1 << 28, **setting}
+    with pytest.raises(ConfigError, match=message):
+        EngineArgs(worker_cls="graphchunk.Runner", additional_config={"graphchunk": {"pool_tokens": 4096}},
+                   **args).create_engine_config()
+    if "model" in setting:  # vLLM reads the same config as M-RoPE: the runner would feed mrope_positions
+        config = EngineArgs(**args).create_engine_config()
+        assert config.model_config.uses_mrope
+
+
 @pytest.mark.parametrize("hf_config, reason", [
     (SimpleNamespace(rope_theta=1e4, rope_parameters={"rope_type": "dynamic", "factor": 2.0}), "dynamic NTK"),
     (SimpleNamespace(), "no rotary position embedding"),
-    (SimpleNamespace(rope_theta=1e4, rope_parameters={"rope_type": "default", "mrope_section": [16, 24, 24]}),
-     "M-RoPE"),
     (SimpleNamespace(rope_theta=1e4, rope_parameters={"rope_type": "longrope"}), "'longrope' is not known"),
 ])
 def test_blend_default_refuses_moving_keys_it_cannot(hf_config, reason):
@@ -111,3 +165,35 @@ def test_store_path_is_checked_at_start_up(tmp_path):
     config.model_config.model = "some-org/not-downloaded"
     with pytest.raises(ConfigError, match="weights on local disk"):
         check_config(config, GraphChunkConfig(store_path=str(tmp_path / "tier")))
+
+
+def test_the_cuda_worker_builds_the_chunk_runner_through_its_hook(monkeypatch):
+    """vLLM's CUDA Worker builds its model runner in ``_make_model_runner`` (called from
+    ``init_device``): graphchunk's Runner builds the chunk-aware runner there, set up, with no
+    class swap. CPUWorker builds its runner inline in ``init_device`` without calling the hook, so
+    its Runner keeps the swap after ``init_device`` (the engine tests run that path)."""
+    import graphchunk.engine.worker as worker
+    from graphchunk.engine.model_runner import ChunkRunnerMixin
+    from graphchunk.metrics import METRICS_FILE_ENV
+    from vllm.v1.worker import gpu_model_runner
+    from vllm.v1.worker.cpu_worker import CPUWorker
+    from vllm.v1.worker.gpu_worker import Worker
+
+    built = []
+    monkeypatch.delenv(METRICS_FILE_ENV, raising=False)
+    monkeypatch.setattr(gpu_model_runner.GPUModelRunner, "__init__",
+                        lambda self, config, device: built.append((config, device)))
+    monkeypatch.setattr(worker, "platform_worker_class", lambda: Worker)
+    cuda_runner = worker.make_runner_class()
+    cuda_worker = object.__new__(cuda_runner)  # the attributes Worker.init_device has set by then
+    cuda_worker.vllm_config, cuda_worker.device, cuda_worker.use_v2_model_runner = "config", "cuda:0", False
+    cuda_worker.gc_config = GraphChunkConfig(pool_tokens=4096)
+    runner = cuda_worker._make_model_runner()
+    assert isinstance(runner, gpu_model_runner.GPUModelRunner) and isinstance(runner, ChunkRunnerMixin)
+    assert built == [("config", "cuda:0")]
+    assert runner.gc_config is cuda_worker.gc_config and runner.gc_cache is None  # graphchunk_setup ran
+    assert issubclass(cuda_runner, Worker) and "init_device" not in vars(cuda_runner)  # no class swap
+
+    monkeypatch.setattr(worker, "platform_worker_class", lambda: CPUWorker)
+    cpu_runner = worker.make_runner_class()
+    assert "init_device" in vars(cpu_runner) and "_make_model_runner" not in vars(cpu_runner)

@@ -6,8 +6,15 @@ vLLM's graphs, so a question-only step that a bucket holds lands on a captured g
 ``CudagraphDispatcher`` pads it to the next capture size, and decode keeps vLLM's own graphs.
 
 * CUDA: the counts join ``compilation_config.cudagraph_capture_sizes`` (after vLLM computed its
-  defaults), and ``cudagraph_mode`` is FULL unless the user chose a mode. vLLM narrows FULL by
-  itself where the attention backend cannot run mixed prefill batches in a full graph
+  defaults) up to vLLM's largest capture size, ``max_cudagraph_capture_size``, which the grid never
+  raises: ``min(2 * max_num_seqs, 512)`` tokens by default (1024 on SM100; at most
+  ``max_num_batched_tokens``), or what the user set (``-cc '{"max_cudagraph_capture_size": N}'``
+  or explicit ``cudagraph_capture_sizes``). vLLM pads every step to its next capture size, so
+  raising the ceiling for a few large grid sizes would pad every ordinary step above the old
+  ceiling to the next grid size (a 513-token prefill to 1024); a grid size above the ceiling is
+  left out (logged), and its steps run as vLLM runs any step that large, without a CUDA graph.
+  ``cudagraph_mode`` is FULL unless the user chose a mode. vLLM narrows FULL by itself where the
+  attention backend cannot run mixed prefill batches in a full graph
   (``CompilationConfig.resolve_cudagraph_mode_and_sizes``: FlashAttention 3 and Triton attention
   can; FlashAttention 2 and FlashInfer cannot, and get FULL_AND_PIECEWISE: question steps replay
   piecewise graphs with attention run eagerly between them).
@@ -60,8 +67,9 @@ def request_graph_mode(engine_args, grid: BucketGrid, platform: str) -> None:
 
 
 def add_capture_sizes(vllm_config, grid: BucketGrid, platform: str) -> list[int]:
-    """After the config is built: the grid's token counts among vLLM's graph capture sizes.
-    Returns the sizes added (none on CPU, with eager execution, or when all were there)."""
+    """After the config is built: the grid's token counts among vLLM's graph capture sizes, up to
+    vLLM's largest one (``max_cudagraph_capture_size``, left as vLLM resolved it). Returns the
+    sizes added (none on CPU, with eager execution, or when all were there)."""
     from vllm.config import CUDAGraphMode
 
     compilation = vllm_config.compilation_config
@@ -69,12 +77,18 @@ def add_capture_sizes(vllm_config, grid: BucketGrid, platform: str) -> list[int]
             or compilation.cudagraph_mode == CUDAGraphMode.NONE):
         return []
     sizes = set(compilation.cudagraph_capture_sizes or [])
-    added = sorted(set(grid.token_counts) - sizes)
+    ceiling = compilation.max_cudagraph_capture_size or 0
+    wanted = set(grid.token_counts) - sizes
+    added = sorted(n for n in wanted if n <= ceiling)
+    above = sorted(n for n in wanted if n > ceiling)
     if added:
         compilation.cudagraph_capture_sizes = sorted(sizes | set(added))
-        compilation.max_cudagraph_capture_size = compilation.cudagraph_capture_sizes[-1]
         logger.info("graphchunk: graph template sizes %s added to vLLM's cudagraph_capture_sizes (%s)",
                     added, grid.source)
+    if above:
+        logger.info("graphchunk: graph template sizes %s are above vLLM's max_cudagraph_capture_size=%d and are "
+                    "not captured (%s); raise it with -cc '{\"max_cudagraph_capture_size\": N}' to capture them",
+                    above, ceiling, grid.source)
     return added
 
 

@@ -4,7 +4,9 @@
 
 The worker class is chosen from the running platform: CPUWorker on CPU, the CUDA Worker on
 NVIDIA, vllm-ascend's NPUWorker on Ascend (written against vllm-ascend's API, import-guarded
-and unverified on hardware: no NPU was available to test it).
+and unverified on hardware: no NPU was available to test it). On CUDA the chunk-aware model runner
+is built through the CUDA Worker's own hook, ``_make_model_runner``; CPUWorker and NPUWorker build
+their runner inside ``init_device`` with no hook, and its class is swapped right after.
 """
 from __future__ import annotations
 
@@ -45,10 +47,29 @@ def check_config(vllm_config, config: GraphChunkConfig) -> None:
         raise ConfigError("graphchunk needs vLLM's V1 model runner, and this configuration selects V2 "
                           "(VLLM_USE_V2_MODEL_RUNNER=1, or a feature only V2 has); graphchunk engines select "
                           "V1 by themselves: unset VLLM_USE_V2_MODEL_RUNNER")
-    if vllm_config.parallel_config.pipeline_parallel_size != 1:
+    parallel = vllm_config.parallel_config
+    if parallel.pipeline_parallel_size != 1:
         raise ConfigError("graphchunk does not support pipeline parallelism")
+    if parallel.data_parallel_size != 1:
+        # vLLM's set_forward_context coordinates every forward's token count across data-parallel
+        # ranks (coordinate_batch_across_dp, a collective, for MoE models): graphchunk's chunk
+        # forwards run on one rank only, and the other ranks would never join.
+        raise ConfigError(f"graphchunk does not support data parallelism (data_parallel_size="
+                          f"{parallel.data_parallel_size}): its chunk forwards run outside the batch vLLM "
+                          f"coordinates across data-parallel ranks; run one server per replica, or use tensor "
+                          f"parallelism")
     if vllm_config.speculative_config is not None:
         raise ConfigError("graphchunk does not support speculative decoding")
+    if vllm_config.lora_config is not None:
+        raise ConfigError("graphchunk does not support LoRA (enable_lora): its chunk forwards run outside vLLM's "
+                          "per-step adapter mapping, and cached chunk KV is keyed without the adapter; start "
+                          "without --enable-lora")
+    check_kv_cache_dtype(vllm_config.cache_config)
+    if vllm_config.model_config.uses_mrope:
+        raise ConfigError("graphchunk does not support models with M-RoPE (multimodal rotary positions, e.g. "
+                          "Qwen2-VL, Qwen2.5-VL, Qwen3-VL; vLLM's model_config.uses_mrope): vLLM feeds them "
+                          "multi-dimensional positions (mrope_positions), while graphchunk's isolated-mode positions "
+                          "and its chunk forwards are one-dimensional")
     if config.mode == "blend":
         refusal = hf_rope_refusal(vllm_config.model_config.hf_config)
         if refusal:
@@ -67,6 +88,20 @@ def check_config(vllm_config, config: GraphChunkConfig) -> None:
                           f"prompt of max_model_len tokens plus one chunk of max_chunk_len tokens, "
                           f"{needed * block_size} tokens at block size {block_size}")
     check_pool_fits(vllm_config, config)
+
+
+def check_kv_cache_dtype(cache_config) -> None:
+    """The KV cache must hold plain floats (the model's dtype, or a float ``--kv-cache-dtype``):
+    graphchunk's slot copies, key rotation and key reads move and rotate elements, with no fp8
+    scales and no packed formats. Run on the built config (vLLM resolves a checkpoint's KV
+    quantization scheme into ``cache_dtype`` there) and again after the worker loaded the model."""
+    from vllm.utils.torch_utils import is_quantized_kv_cache
+
+    if is_quantized_kv_cache(cache_config.cache_dtype):
+        raise ConfigError(f"graphchunk does not support a quantized KV cache, kv_cache_dtype="
+                          f"{cache_config.cache_dtype!r} (--kv-cache-dtype, or the checkpoint's KV cache quantization): "
+                          f"its slot copies and key rotation are written for float KV caches; start with "
+                          f"--kv-cache-dtype auto")
 
 
 def check_pool_fits(vllm_config, config: GraphChunkConfig) -> None:
@@ -101,15 +136,33 @@ def check_grid(vllm_config, grid: BucketGrid) -> None:
         raise ConfigError(f"graphchunk.templates: {grid.source} uses backend {grid.backend!r}; inside vLLM "
                           f"use 'vllm' (vLLM's own CUDA graphs / vllm-ascend's ACL graphs replay the buckets) "
                           f"or graphchunk's {RUNNER_BACKENDS[1:]} templates")
-    if grid.backend == "compile" and platform_kind() != "cpu" and not vllm_config.model_config.enforce_eager:
+    on_device = platform_kind() != "cpu" and not vllm_config.model_config.enforce_eager
+    if grid.backend == "compile" and on_device:
         raise ConfigError(f"graphchunk.templates: {grid.source} compiles templates itself, which on "
                           f"{platform_kind()} would nest inside vLLM's graphs; use backend 'vllm' there "
                           f"(graph_templates/h100.toml), or start with --enforce-eager")
+    if grid.backend == "eager" and on_device:
+        # The runner pads a template step to its bucket's token count in vLLM's batch descriptor
+        # (runner_templates._determine_batch_execution_and_padding); under vLLM's graph mode the
+        # CUDA/ACL graph wrapper then meets a descriptor it never captured.
+        raise ConfigError(f"graphchunk.templates: {grid.source} uses backend 'eager', which pads each template step "
+                          f"to its bucket's token count, a size vLLM's graphs on {platform_kind()} never captured; "
+                          f"use backend 'vllm' there (graph_templates/h100.toml), or start with --enforce-eager")
     max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
     too_big = [b.name for b in grid.buckets if b.num_tokens > max_tokens]
     if too_big:
         raise ConfigError(f"graphchunk.templates: buckets {too_big} pad to more tokens than "
                           f"max_num_batched_tokens={max_tokens}")
+
+
+def builds_runner_by_hook(base: type) -> bool:
+    """Whether ``base`` builds its model runner through vLLM's ``Worker._make_model_runner`` hook:
+    vLLM's CUDA Worker does (``init_device`` -> ``_init_workspace_and_model_runner``). CPUWorker
+    inherits the hook but never calls it (its ``init_device`` builds ``CPUModelRunner`` inline),
+    and vllm-ascend's NPUWorker, a ``WorkerBase``, has none (``NPUModelRunner`` built inline)."""
+    from vllm.v1.worker.gpu_worker import Worker
+
+    return base is Worker
 
 
 def make_runner_class() -> type:
@@ -121,11 +174,28 @@ def make_runner_class() -> type:
             check_config(vllm_config, self.gc_config)
             super().__init__(vllm_config, *args, **kwargs)
 
-        def init_device(self):
-            super().init_device()
-            runner = self.model_runner
-            runner.__class__ = chunk_runner_class(type(runner))
-            runner.graphchunk_setup(self.gc_config)
+        if builds_runner_by_hook(base):
+            def _make_model_runner(self):
+                from vllm.v1.worker.gpu_model_runner import GPUModelRunner  # V1: check_config refuses V2
+
+                runner = chunk_runner_class(GPUModelRunner)(self.vllm_config, self.device)
+                runner.graphchunk_setup(self.gc_config)
+                return runner
+        else:
+            def init_device(self):
+                super().init_device()
+                # Fallback for workers without the hook (CPUWorker, NPUWorker): they build their
+                # runner inside init_device, so its class is swapped for the chunk-aware subclass
+                # afterwards (the subclass adds methods only, no state of its own before setup).
+                runner = self.model_runner
+                runner.__class__ = chunk_runner_class(type(runner))
+                runner.graphchunk_setup(self.gc_config)
+
+        def load_model(self, *args, **kwargs):
+            super().load_model(*args, **kwargs)
+            # A model's attention layers may still turn an 'auto' KV cache dtype into fp8 while
+            # loading (a checkpoint's kv_cache_scheme): checked again before any KV is allocated.
+            check_kv_cache_dtype(self.vllm_config.cache_config)
 
         def determine_available_memory(self) -> int:
             available = super().determine_available_memory()
