@@ -39,6 +39,10 @@ class PoolBindingMixin:
         num_blocks = kv_cache_config.num_blocks
         grown = _with_extra_blocks(self.vllm_config, kv_cache_config, self.pool_num_blocks())
         super().initialize_kv_cache(grown, is_profiling, kv_cache_allocation_context)
+        # The worker's count of the blocks its cache tensors hold: backends size per-step structures
+        # by it (FlexAttention's block mask spans num_gpu_blocks * block_size keys, and must span
+        # the whole tensor it attends over). The scheduler's count is its own kv_cache_config's.
+        self.cache_config.num_gpu_blocks = grown.num_blocks
         self._graphchunk_bind(num_blocks)
 
     def _graphchunk_bind(self, first_pool_block: int) -> None:
