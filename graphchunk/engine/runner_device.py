@@ -2,9 +2,18 @@
 
 A pseudo-sequence forward builds vLLM's own ``CommonAttentionMetadata`` for sequences the
 scheduler does not know (misses prefilled into pool blocks, blend tokens recomputed over a
-request's own slots) and runs the model under a forward context of its own. ``num_layers`` runs
-only the first layers (CacheBlend's check), by narrowing the decoder's ``end_layer`` — the layer
-range vLLM's models already honour for pipeline parallelism.
+request's own slots) and runs the model under a forward context of its own, built as vLLM's runner
+builds a step's: no CUDA graph (``cudagraph_runtime_mode`` NONE: vLLM's graph wrappers run the
+model as is), and the padding mask MoE routing reads (``VLLM_MOE_SKIP_PADDING``) as the runner's own
+device buffer, none of it padding.
+
+``num_layers`` runs only the first layers (CacheBlend's check), by narrowing the decoder's
+``end_layer`` — the layer range vLLM's models already honour for pipeline parallelism. vLLM's
+compiled model (``@support_torch_compile``) ignores it: the graph was traced once over every layer
+and vLLM drops dynamo's guards, so it runs every layer whatever the range says. The check pass
+therefore runs vLLM's plain forward (the forward context's ``skip_compiled``, vLLM's own bypass of
+its compiled call): it traces and captures nothing and replays no graph. Full-depth pseudo-sequence
+forwards keep the compiled graph.
 """
 from __future__ import annotations
 
@@ -53,10 +62,19 @@ class KVDeviceMixin:
             metadata = group.build_metadata(common)
             for name in group.layer_names:
                 attn_metadata[name], slot_by_layer[name] = metadata, common.slot_mapping
-        with set_forward_context(attn_metadata, self.vllm_config, num_tokens=num_tokens,
-                                 slot_mapping=slot_by_layer, is_padding=torch.zeros(num_tokens, dtype=torch.bool)), \
+        with set_forward_context(attn_metadata, self.vllm_config, num_tokens=num_tokens, slot_mapping=slot_by_layer,
+                                 is_padding=self._padding_mask(num_tokens), skip_compiled=num_layers is not None), \
                 self._first_layers(num_layers):
             self.model(input_ids=to(ids), positions=to(positions), intermediate_tensors=None, inputs_embeds=None)
+
+    def _padding_mask(self, num_tokens: int) -> torch.Tensor:
+        """vLLM's padding mask over this forward's tokens (none is padding): its runner's persistent
+        bool buffer on the device, filled as its steps fill it (``_prepare_padding_mask``); the
+        step that follows fills it again for itself."""
+        if num_tokens > self.is_padding.numel():
+            raise AssertionError(f"a pseudo-sequence forward of {num_tokens} tokens exceeds the runner's "
+                                 f"{self.is_padding.numel()} (max_num_batched_tokens)")
+        return self._prepare_padding_mask(num_tokens, num_tokens)
 
     @contextlib.contextmanager
     def _first_layers(self, num_layers: int | None):

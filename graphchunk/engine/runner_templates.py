@@ -42,8 +42,14 @@ class TemplateHooksMixin:
             return dict(input_ids=self.input_ids.gpu[:n], positions=self.positions[:n],
                         intermediate_tensors=None, inputs_embeds=None)
 
-        def context_for(bucket: Bucket):  # no attention metadata: attention and KV writes are skipped
-            return set_forward_context(None, self.vllm_config, num_tokens=bucket.num_tokens, slot_mapping={})
+        def context_for(bucket: Bucket):
+            """No attention metadata: attention and KV writes are skipped. The padding mask MoE
+            routing reads (``VLLM_MOE_SKIP_PADDING``) is vLLM's own buffer over the bucket's
+            tokens, as vLLM's captures and the steps replaying the template pass it: a router
+            traced into the template must see at capture the tensor it reads at replay."""
+            n = bucket.num_tokens
+            return set_forward_context(None, self.vllm_config, num_tokens=n, slot_mapping={},
+                                       is_padding=self._prepare_padding_mask(n, n))
 
         with torch.inference_mode():
             self.gc_templates.capture_all(self.model, inputs_for, context_for, self.device)

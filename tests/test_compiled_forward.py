@@ -1,0 +1,190 @@
+"""Pseudo-sequence forwards under vLLM's compilation (``engine/runner_device.py``).
+
+vLLM compiles the model once and drops dynamo's guards (``vllm/compilation/wrapper.py``): a
+compiled forward runs what was traced, whatever the decoder's layer range says at run time. So
+CacheBlend's check pass (the first ``check_layer + 1`` layers only) must run past the compiled
+graph, and must write KV into exactly those layers — checked on the session engine, compiled as a
+user runs it (no --enforce-eager). The forward context a pseudo-sequence forward sets is checked
+against the one vLLM's runner sets (its padding mask on the runner's device).
+"""
+from __future__ import annotations
+
+import sys
+
+import cloudpickle
+import numpy as np
+import pytest
+import torch
+
+from graphchunk.engine.runner_device import KVDeviceMixin
+
+SENTINEL = 7.0
+
+
+def _probe_forward_writes(worker, token_ids: list[int], num_layers: int | None) -> dict:
+    """Runs in the engine's worker between steps: one pseudo-sequence forward over borrowed pool
+    blocks filled with a sentinel; per layer, whether the forward wrote KV there."""
+    import numpy as np
+    import torch
+    from torch._dynamo.utils import counters
+    from vllm.compilation.counter import compilation_counter
+
+    from graphchunk.device import PseudoSeq
+
+    runner = worker.model_runner
+    pool = runner.gc_cache.pool
+    needed = pool.blocks_for(len(token_ids))
+    assert pool.num_free_blocks >= needed, "the probe must not evict the session's pool entries"
+    entry = pool.insert(b"test_compiled_forward probe", (), len(token_ids))  # in use, never ready
+    try:
+        blocks = list(entry.block_ids)
+        runner.write_blocks(blocks, torch.full_like(runner.read_blocks(blocks), SENTINEL))
+        compiles = (compilation_counter.num_backend_compilations, counters["frames"]["total"])
+        with torch.inference_mode():
+            runner.forward([PseudoSeq(token_ids, np.arange(len(token_ids)), blocks, 0)], num_layers=num_layers)
+        after = runner.read_blocks(blocks)  # [layers, blocks, *one block]
+        written = [bool((layer != SENTINEL).any()) for layer in after]
+        untouched = [bool((layer == SENTINEL).all()) for layer in after]
+        recompiled = (compilation_counter.num_backend_compilations, counters["frames"]["total"]) != compiles
+    finally:
+        pool.release(entry)  # never ready: its blocks go back to the free list
+    return {"written": written, "untouched": untouched, "recompiled": recompiled,
+            "compilation_mode": str(runner.compilation_config.mode)}
+
+
+def run_in_worker(llm, fn, *args):
+    """``fn(worker, *args)`` in the engine's worker (vLLM pickles it there: ``conftest`` allows it)."""
+    module = sys.modules[__name__]  # a test module the engine's processes cannot import: send fn by value
+    cloudpickle.register_pickle_by_value(module)
+    try:
+        return llm.llm.collective_rpc(fn, args=args)[0]
+    finally:
+        cloudpickle.unregister_pickle_by_value(module)
+
+
+@pytest.mark.slow
+def test_check_pass_writes_only_its_layers_under_vllm_compilation(gc_llm, tokenizer):
+    """CacheBlend's check pass over some slots: layers [0, check_layer] get fresh KV, the layers
+    above keep what was there (blend keeps the reused KV there for tokens it does not pick); an
+    ordinary pseudo-sequence forward still writes every layer; neither compiles anything anew."""
+    check_layer = gc_llm.config.check_layer
+    ids = tokenizer("The check pass of CacheBlend runs the first layers over every chunk token, "
+                    "and only those layers; the reused keys and values above it stay.")["input_ids"] * 2
+    assert len(ids) > 32  # more than one block
+    probe = run_in_worker(gc_llm, _probe_forward_writes, ids, check_layer + 1)
+    assert probe["compilation_mode"] != "CompilationMode.NONE", "the engine must run vLLM's compiled forward"
+    num_layers = len(probe["written"])
+    assert num_layers > check_layer + 1
+    assert probe["written"] == [True] * (check_layer + 1) + [False] * (num_layers - check_layer - 1), \
+        f"check pass through {check_layer + 1} layers wrote KV in layers {np.flatnonzero(probe['written']).tolist()}"
+    assert all(probe["untouched"][check_layer + 1:])
+    assert not probe["recompiled"]
+    full = run_in_worker(gc_llm, _probe_forward_writes, ids, None)
+    assert full["written"] == [True] * num_layers and not full["recompiled"]
+
+
+# --- the forward context of a pseudo-sequence forward, without an engine --------------------------
+
+class _Decoder(torch.nn.Module):
+    """A decoder stack that records the forward context and the layer range it runs under."""
+
+    def __init__(self, num_layers: int = 4):
+        super().__init__()
+        self.layers = torch.nn.ModuleList()
+        self.start_layer, self.end_layer = 0, num_layers
+        self.seen: list[dict] = []
+
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
+        from vllm.forward_context import get_forward_context
+
+        context = get_forward_context()
+        self.seen.append({"is_padding": context.is_padding, "skip_compiled": context.skip_compiled,
+                          "cudagraph_runtime_mode": context.cudagraph_runtime_mode,
+                          "end_layer": self.end_layer, "num_tokens": input_ids.shape[0]})
+
+
+class _Runner(KVDeviceMixin):
+    """The attributes ``KVDeviceMixin.forward`` reads from vLLM's model runner."""
+
+    def __init__(self, device: str, max_num_tokens: int = 64):
+        from types import SimpleNamespace
+
+        from vllm.config import VllmConfig
+
+        self.device = torch.device(device)
+        self.vllm_config = VllmConfig()
+        self.cache_config = SimpleNamespace(block_size=4)
+        self.attn_groups = [[SimpleNamespace(layer_names=["layers.0.attn"], build_metadata=lambda common: common)]]
+        self.model = _Decoder()
+        # vLLM's persistent padding mask, left by a padded step as vLLM leaves it: padding rows True.
+        self.is_padding = torch.ones(max_num_tokens, dtype=torch.bool, device=self.device)
+
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    _prepare_padding_mask = GPUModelRunner._prepare_padding_mask
+
+
+def _seqs():
+    from graphchunk.device import PseudoSeq
+
+    return [PseudoSeq(list(range(10)), np.arange(10), [0, 1, 2], 3), PseudoSeq(list(range(5)), np.arange(5), [3, 4], 0)]
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_padding_mask_is_the_runners_device_mask(device):
+    """MoE routing (``VLLM_MOE_SKIP_PADDING``, on by default) indexes the forward context's
+    ``is_padding`` with a device op: like vLLM's runner, the pseudo-sequence forward passes a bool
+    mask on the runner's device over its tokens (none is padding). ``meta`` stands for an
+    accelerator: a host mask there is the bug this catches."""
+    runner = _Runner(device)
+    runner.forward(_seqs())
+    mask = runner.model.seen[-1]["is_padding"]
+    assert mask.device == runner.device and mask.dtype == torch.bool and mask.shape == (12,)
+    if device == "cpu":
+        assert not mask.any()
+
+
+def test_only_the_check_pass_runs_past_the_compiled_graph():
+    """A narrowed layer range runs vLLM's plain forward (``skip_compiled``: the compiled graph would
+    run every layer) and never a captured graph; full pseudo-sequence forwards keep the compiled one."""
+    from vllm.config import CUDAGraphMode
+
+    runner = _Runner("cpu")
+    runner.forward(_seqs())
+    runner.forward(_seqs(), num_layers=2)
+    full, check = runner.model.seen
+    assert (full["skip_compiled"], full["end_layer"]) == (False, 4)
+    assert (check["skip_compiled"], check["end_layer"]) == (True, 2)
+    assert full["cudagraph_runtime_mode"] == check["cudagraph_runtime_mode"] == CUDAGraphMode.NONE
+    assert runner.model.end_layer == 4
+
+
+def test_template_capture_passes_the_padding_mask_a_step_passes():
+    """graphchunk's templates are captured under the forward context a replaying step has (vLLM's
+    ``_prepare_padding_mask`` over the bucket's tokens): a router traced into a template reads the
+    same buffer at capture and at replay."""
+    from types import SimpleNamespace
+
+    from vllm.forward_context import get_forward_context
+
+    from graphchunk.engine.runner_templates import TemplateHooksMixin
+
+    seen = []
+
+    class Templates:
+        captures = True
+
+        def capture_all(self, fn, inputs_for, context_for, device):
+            for bucket in (SimpleNamespace(num_tokens=16), SimpleNamespace(num_tokens=48)):
+                with context_for(bucket):
+                    seen.append(get_forward_context().is_padding)
+
+    class Runner(TemplateHooksMixin, _Runner):
+        def _publish(self):
+            pass
+
+    runner = Runner("cpu")
+    runner.gc_templates = Templates()
+    runner.graphchunk_capture_templates()
+    for mask, n in zip(seen, (16, 48)):
+        assert mask is not None and mask.shape == (n,) and mask.dtype == torch.bool and not mask.any()
+        assert mask.untyped_storage().data_ptr() == runner.is_padding.untyped_storage().data_ptr()
