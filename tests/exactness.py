@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+import pytest
 import torch
 
 from graphchunk.config import GraphChunkConfig
@@ -23,9 +24,22 @@ TOP_LOGPROBS = 20
 FIRST_TOKEN_TOL = 5e-4
 LOGPROB_TOL = 1e-3
 
+BLEND_FULL = {"graphchunk_mode": "blend", "graphchunk_recompute": "cacheblend", "graphchunk_recompute_ratio": 1.0}
+BLEND_NONE = {"graphchunk_mode": "blend", "graphchunk_recompute": "none"}
+
 CONFIG = GraphChunkConfig()
 LIMITS = dict(max_chunks=CONFIG.max_chunks, max_chunk_len=CONFIG.max_chunk_len)
 MEASURED = {"first token": 0.0, "all tokens": 0.0, "compared": 0}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def measured():
+    """The importing module's own largest differences (import it into an engine module; the other
+    modules keep theirs)."""
+    saved = dict(MEASURED)
+    MEASURED.update({"first token": 0.0, "all tokens": 0.0, "compared": 0})
+    yield MEASURED
+    MEASURED.update(saved)
 
 
 # --- text and prompts ----------------------------------------------------------------------------

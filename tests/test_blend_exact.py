@@ -12,7 +12,8 @@ import math
 
 import pytest
 
-from exactness import (FIRST_TOKEN_TOL, LIMITS, LOGPROB_TOL, MEASURED, TextSource, assert_matches_oracle, assert_matches_reference, blend_reference,
+from exactness import (BLEND_FULL, BLEND_NONE, FIRST_TOKEN_TOL, LIMITS, LOGPROB_TOL, TextSource,
+                       assert_matches_oracle, assert_matches_reference, blend_reference, measured,  # noqa: F401
                        sampling, text_sources)
 from graphchunk.engine.frontend import BOUNDARIES_ARG
 from graphchunk.llm import RagPrompt
@@ -20,20 +21,9 @@ from graphchunk.segments import split_at
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_oracle_thread")]
 
-BLEND_FULL = {"graphchunk_mode": "blend", "graphchunk_recompute": "cacheblend", "graphchunk_recompute_ratio": 1.0}
-BLEND_NONE = {"graphchunk_mode": "blend", "graphchunk_recompute": "none"}
 ISOLATED = {"graphchunk_mode": "isolated"}
 COUNTERS = ("lookups", "hits", "misses", "blend_lookups", "blend_hits", "blend_misses", "blend_tokens_recomputed",
             "blend_tokens_checked")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def measured():
-    """This module's largest differences (the isolated-mode modules keep their own)."""
-    saved = dict(MEASURED)
-    MEASURED.update({"first token": 0.0, "all tokens": 0.0, "compared": 0})
-    yield MEASURED
-    MEASURED.update(saved)
 
 
 @pytest.fixture(scope="module")

@@ -44,15 +44,14 @@ import pytest
 import torch
 
 import gpu_style
-from exactness import (FIRST_TOKEN_TOL, LIMITS, LOGPROB_TOL, MEASURED, TextSource, assert_matches_oracle,
-                       assert_matches_reference, blend_reference, make_splitter, run, sampling, text_sources)
+from exactness import (BLEND_FULL, BLEND_NONE, FIRST_TOKEN_TOL, LIMITS, LOGPROB_TOL, TextSource,
+                       assert_matches_oracle, assert_matches_reference, blend_reference, make_splitter,
+                       measured, run, sampling, text_sources)  # noqa: F401 (measured: the module's fixture)
 from graphchunk.llm import RagPrompt
 from graphchunk.segments import split_at
 
 BLOCK_SIZE = 32
 MAX_BATCHED_TOKENS = 256
-BLEND_FULL = {"graphchunk_mode": "blend", "graphchunk_recompute": "cacheblend", "graphchunk_recompute_ratio": 1.0}
-BLEND_NONE = {"graphchunk_mode": "blend", "graphchunk_recompute": "none"}
 
 
 # --- the stand-ins, checked ----------------------------------------------------------------------
@@ -155,15 +154,6 @@ def test_flex_attention_stand_in_equals_torch_flex_attention():
 
 
 # --- the engine ----------------------------------------------------------------------------------
-
-@pytest.fixture(scope="module", autouse=True)
-def measured():
-    """This module's largest differences (the other modules keep their own)."""
-    saved = dict(MEASURED)
-    MEASURED.update({"first token": 0.0, "all tokens": 0.0, "compared": 0})
-    yield MEASURED
-    MEASURED.update(saved)
-
 
 @pytest.fixture(scope="module")
 def flex_llm(smollm2_path):
