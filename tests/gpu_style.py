@@ -63,6 +63,34 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv
     value_cache[blocks, offsets] = value[:num_tokens][valid].to(value_cache.dtype)
 
 
+def write_flash(key, value, kv_cache, slot_mapping) -> None:
+    """K/V written as FlashAttention's and FlexAttention's ``do_kv_cache_update`` write them: the
+    stand-in op over ``kv_cache.transpose(1, 2).split(head_size, -1)``."""
+    key_cache, value_cache = kv_cache.transpose(1, 2).split(kv_cache.shape[-1] // 2, dim=-1)
+    reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, "auto", None, None)
+
+
+def vllm_caches(layout, dtype, num_blocks: int, block_size: int, heads: int, head_size: int,
+                layers: int) -> list[torch.Tensor]:
+    """Per-layer KV caches exactly as vLLM's worker allocates them for ``layout`` (a
+    ``KVCacheLayout``): the engine core's ``get_kv_cache_config_from_groups`` (strides from
+    ``compute_layout_strides``) and the worker's ``allocate_kv_cache`` (one backing buffer,
+    ``create_kv_cache_views``); in layer order."""
+    from vllm.config import CacheConfig, VllmConfig
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    config = VllmConfig(cache_config=CacheConfig(block_size=block_size, num_gpu_blocks_override=num_blocks))
+    config.cache_config.kv_cache_layout = layout.name
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=heads, head_size=head_size, dtype=dtype)
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
+    kv_cache_config = get_kv_cache_config_from_groups(config, [KVCacheGroupSpec(names, spec)], 1 << 30)
+    assert kv_cache_config.num_blocks == num_blocks
+    caches = allocate_kv_cache(kv_cache_config, torch.device("cpu"), layout, [block_size])
+    return [caches[name] for name in names]
+
+
 def register_reshape_and_cache_flash() -> bool:
     """Registers the stand-in as ``torch.ops._C_cache_ops.reshape_and_cache_flash`` for CPU tensors
     (plus a fake kernel for tracing) unless the op exists; True if it registered it."""

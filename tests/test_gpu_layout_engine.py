@@ -57,22 +57,9 @@ MAX_BATCHED_TOKENS = 256
 # --- the stand-ins, checked ----------------------------------------------------------------------
 
 def lbnhc_caches(dtype, num_blocks=9, block_size=16, heads=3, head_size=8, layers=4):
-    """Per-layer KV caches exactly as vLLM's worker allocates them for LBNHC: the engine core's
-    ``get_kv_cache_config_from_groups`` (strides from ``compute_layout_strides``) and the worker's
-    ``allocate_kv_cache`` (one backing buffer, ``create_kv_cache_views``)."""
-    from vllm.config import CacheConfig, VllmConfig
-    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, KVCacheLayout
-    from vllm.v1.worker.utils import allocate_kv_cache
+    from vllm.v1.kv_cache_layout import KVCacheLayout
 
-    config = VllmConfig(cache_config=CacheConfig(block_size=block_size, num_gpu_blocks_override=num_blocks))
-    config.cache_config.kv_cache_layout = KVCacheLayout.LBNHC.name
-    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=heads, head_size=head_size, dtype=dtype)
-    names = [f"layer.{i}" for i in range(layers)]
-    kv_cache_config = get_kv_cache_config_from_groups(config, [KVCacheGroupSpec(names, spec)], 1 << 30)
-    assert kv_cache_config.num_blocks == num_blocks
-    caches = allocate_kv_cache(kv_cache_config, torch.device("cpu"), KVCacheLayout.LBNHC)
-    return [caches[name] for name in names]
+    return gpu_style.vllm_caches(KVCacheLayout.LBNHC, dtype, num_blocks, block_size, heads, head_size, layers)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

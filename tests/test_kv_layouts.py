@@ -11,70 +11,33 @@ through a torch reference of each backend's KV-write op:
 * ``flash``: ``reshape_and_cache_flash`` over ``kv_cache.transpose(1, 2).split(head_size, -1)``
   (``[B, N, H, D]`` views of K and V), the write of FlashAttention, FlashInfer (every KV dtype
   but NVFP4), FlexAttention and, as ``triton_reshape_and_cache_flash`` with the same contract,
-  Triton attention; the reference is itself checked against the logical view below;
-* ``cpu``: vLLM's CPU attention kernel itself (``cpu_attn_reshape_and_cache``), in the one layout
-  the CPU backend accepts, LBHNC.
+  Triton attention (``gpu_style.write_flash``, the stand-in the FlexAttention engine test runs
+  on); the reference is itself checked against the logical view below;
+* ``cpu``: vLLM's CPU attention kernel itself (``cpu_attn_reshape_and_cache``, through
+  ``test_kv_slots.write``), in the one layout the CPU backend accepts, LBHNC.
 
-The slot map comes from the code path the runner uses (``KVSlotMap.probe`` on the real layer's
-cache, then ``verify`` on it), and the copier is the runner's (``KVCopier``).
+The caches come from ``gpu_style.vllm_caches``. The slot map comes from the code path the runner
+uses (``KVSlotMap.probe`` on the real layer's cache, then ``verify`` on it), and the copier is the
+runner's (``KVCopier``).
 """
 import numpy as np
 import pytest
 import torch
-from vllm.config import CacheConfig, VllmConfig
-from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
-from vllm.v1.worker.utils import allocate_kv_cache
 
+import gpu_style
 from graphchunk.blend.rope import KeyRotation
 from graphchunk.cache.kv_slots import KVCopier, KVSlotMap
+from gpu_style import write_flash
+from test_kv_slots import BS, DIM, HEADS, write as write_cpu
 
-BS, HEADS, DIM, LAYERS, BLOCKS = 32, 3, 64, 4, 6
-NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+LAYERS, BLOCKS = 4, 6
 DTYPES = [torch.float32, torch.bfloat16]
 LAYOUTS = list(KVCacheLayout)
 
 
 def vllm_caches(layout: KVCacheLayout, dtype) -> list[torch.Tensor]:
-    """Per-layer caches in model order, allocated by vLLM's worker code for ``layout``."""
-    cache_config = CacheConfig(block_size=BS, num_gpu_blocks_override=BLOCKS)
-    cache_config.kv_cache_layout = layout.name
-    spec = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=DIM, dtype=dtype)
-    config = get_kv_cache_config_from_groups(VllmConfig(cache_config=cache_config),
-                                             [KVCacheGroupSpec(NAMES, spec)], 1 << 30)
-    assert config.num_blocks == BLOCKS
-    caches = allocate_kv_cache(config, torch.device("cpu"), layout, [BS])
-    return [caches[name] for name in NAMES]
-
-
-def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping):
-    """vLLM's ``_C_cache_ops.reshape_and_cache_flash`` for an unquantized cache: token t goes to
-    ``[slot // block_size, slot % block_size, head]`` of the ``[B, N, H, D]`` views; negative
-    slots are skipped; the number of tokens is the slot mapping's."""
-    key, value = key[: len(slot_mapping)], value[: len(slot_mapping)]
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()
-    block_size = key_cache.shape[1]
-    key_cache[slots // block_size, slots % block_size] = key[keep]
-    value_cache[slots // block_size, slots % block_size] = value[keep]
-
-
-def write_flash(key, value, kv_cache, slot_mapping):
-    key_cache, value_cache = kv_cache.transpose(1, 2).split(DIM, dim=-1)
-    reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping)
-
-
-def write_cpu(dtype):
-    from vllm import _custom_ops as ops
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-    isa = _get_attn_isa(dtype, BS, DIM)
-
-    def write_kv(key, value, kv_cache, slot_mapping):
-        k_cache, v_cache = kv_cache.view(kv_cache.shape[0], HEADS, 2 * BS, DIM).chunk(2, dim=2)
-        ops.cpu_attn_reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, isa)
-    return write_kv
+    return gpu_style.vllm_caches(layout, dtype, BLOCKS, BS, HEADS, DIM, LAYERS)
 
 
 CASES = [(layout, "flash", dtype) for layout in LAYOUTS for dtype in DTYPES] + \

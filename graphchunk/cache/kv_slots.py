@@ -107,14 +107,18 @@ def scratch_like(like: torch.Tensor, block_dim: int, num_blocks: int) -> torch.T
     storage offsets measured in it are the real cache's, gaps of a strided layout included)."""
     shape = list(like.shape)
     shape[block_dim] = num_blocks
-    span = 1 + sum((size - 1) * stride for size, stride in zip(shape, like.stride()))
+    span = _span(shape, like.stride())
     return torch.zeros(span, dtype=like.dtype, device=like.device).as_strided(shape, like.stride())
+
+
+def _span(shape, strides) -> int:
+    """Elements from a strided tensor's first element to its last, inclusive."""
+    return 1 + sum((size - 1) * stride for size, stride in zip(shape, strides))
 
 
 def _storage_view(cache: torch.Tensor) -> torch.Tensor:
     """1-D view from the tensor's first element over the storage it spans."""
-    span = 1 + sum((size - 1) * stride for size, stride in zip(cache.shape, cache.stride()))
-    return cache.as_strided((span,), (1,))
+    return cache.as_strided((_span(cache.shape, cache.stride()),), (1,))
 
 
 class KVCopier:

@@ -68,9 +68,10 @@ class KVDeviceMixin:
             self.model(input_ids=to(ids), positions=to(positions), intermediate_tensors=None, inputs_embeds=None)
 
     def _padding_mask(self, num_tokens: int) -> torch.Tensor:
-        """vLLM's padding mask over this forward's tokens (none is padding): its runner's persistent
-        bool buffer on the device, filled as its steps fill it (``_prepare_padding_mask``); the
-        step that follows fills it again for itself."""
+        """vLLM's padding mask over ``num_tokens`` tokens none of which is padding (a pseudo-sequence
+        forward; a template's capture, ``runner_templates.py``): its runner's persistent bool buffer
+        on the device, filled as its steps fill it (``_prepare_padding_mask``); the step that
+        follows fills it again for itself."""
         if num_tokens > self.is_padding.numel():
             raise AssertionError(f"a pseudo-sequence forward of {num_tokens} tokens exceeds the runner's "
                                  f"{self.is_padding.numel()} (max_num_batched_tokens)")

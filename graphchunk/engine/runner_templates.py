@@ -47,9 +47,8 @@ class TemplateHooksMixin:
             routing reads (``VLLM_MOE_SKIP_PADDING``) is vLLM's own buffer over the bucket's
             tokens, as vLLM's captures and the steps replaying the template pass it: a router
             traced into the template must see at capture the tensor it reads at replay."""
-            n = bucket.num_tokens
-            return set_forward_context(None, self.vllm_config, num_tokens=n, slot_mapping={},
-                                       is_padding=self._prepare_padding_mask(n, n))
+            return set_forward_context(None, self.vllm_config, num_tokens=bucket.num_tokens, slot_mapping={},
+                                       is_padding=self._padding_mask(bucket.num_tokens))
 
         with torch.inference_mode():
             self.gc_templates.capture_all(self.model, inputs_for, context_for, self.device)
