@@ -10,6 +10,7 @@ from typing import Any
 
 from graphchunk.blend.recompute import RecomputePolicy
 from graphchunk.cache.eviction import DEFAULT_POLICY, POLICIES
+from graphchunk.cache.pool import cdiv
 
 MODES = ("isolated", "blend")
 
@@ -45,8 +46,9 @@ class GraphChunkConfig:
     """cacheblend: layers [0, check_layer] are recomputed for every chunk token, and K at this layer
     ranks the tokens."""
     templates: str = ""
-    """Graph-template grid captured at start-up: a name in graph_templates/ ('cpu') or a .toml path;
-    '' runs every step eager."""
+    """Bucket grid of cached-chunk prefills (``graphs/buckets.py``): a name in graph_templates/ ('cpu')
+    or a .toml path. Its token counts join vLLM's graph capture sizes (CUDA, Ascend) and each
+    question step is counted by bucket; '' adds nothing and counts nothing."""
     store_path: str = ""
     """Directory of the persistent chunk tier below the pool (``cache/store.py``), which servers may
     share; '' keeps chunk KV in the pool only."""
@@ -85,7 +87,7 @@ class GraphChunkConfig:
 
     def pool_blocks(self, block_size: int) -> int:
         """KV-cache blocks of ``block_size`` tokens that hold ``pool_tokens``."""
-        return -(-self.pool_tokens // block_size)
+        return cdiv(self.pool_tokens, block_size)
 
     @property
     def policy(self) -> RecomputePolicy:

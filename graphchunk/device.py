@@ -1,6 +1,7 @@
 """What the host-side plans (``cache/chunk_cache.py``, ``blend/recompute.py``) need from the device.
 
-The model runner implements ``KVDevice`` (``engine/runner_device.py``); tests implement it with fakes.
+The engine implements ``KVDevice`` over vLLM's model runner (``engine/runner_kv.py``); tests
+implement it with fakes.
 A ``PseudoSeq`` is an extra forward outside vLLM's scheduler: a miss prefilled into pool blocks,
 or a blend request's recomputed tokens over its own slots.
 """
@@ -29,11 +30,11 @@ class PseudoSeq:
 
 
 class KVDevice(Protocol):
-    """What the plans need from the device (implemented by the model runner)."""
+    """What the plans need from the device."""
 
-    def forward(self, seqs: list[PseudoSeq], num_layers: int | None = None) -> None:
-        """Runs the pseudo-sequences through the model (its first ``num_layers`` layers only,
-        when given), writing their KV."""
+    def prefill(self, seqs: list[PseudoSeq], num_layers: int | None = None) -> None:
+        """Prefills the pseudo-sequences' KV: runs their new tokens through the model (its first
+        ``num_layers`` layers only, when given), writing KV into their slots."""
 
     def copy_blocks(self, src_blocks: list[int], dst_blocks: list[int]) -> None: ...
 
@@ -76,3 +77,23 @@ def slots_of(block_ids: Sequence[int], logical: np.ndarray, block_size: int) -> 
     """KV slots of logical token indices in a sequence whose blocks are ``block_ids``."""
     blocks = np.asarray(block_ids, np.int64)
     return blocks[logical // block_size] * block_size + logical % block_size
+
+
+def consecutive_runs(*aligned: Sequence[int] | np.ndarray, block_size: int | None = None) -> list[tuple[int, ...]]:
+    """Maximal runs over which each of the equally long index arrays ``aligned`` steps by exactly
+    1 (and, given ``block_size``, none crosses a multiple of it): for each run, every array's first
+    index, then the run's length. ``consecutive_runs([3, 4, 5, 8])`` is ``[(3, 3), (8, 1)]``."""
+    arrays = [np.asarray(a, np.int64) for a in aligned]
+    size = len(arrays[0])
+    if any(len(a) != size for a in arrays):
+        raise ValueError(f"consecutive_runs: arrays of lengths {[len(a) for a in arrays]}")
+    if size == 0:
+        return []
+    cut = np.zeros(size - 1, bool)
+    for a in arrays:
+        cut |= np.diff(a) != 1
+        if block_size is not None:
+            cut |= a[1:] % block_size == 0
+    starts = np.concatenate([[0], np.nonzero(cut)[0] + 1])
+    lengths = np.diff(np.concatenate([starts, [size]]))
+    return list(zip(*(a[starts].tolist() for a in arrays), lengths.tolist()))

@@ -9,18 +9,15 @@ separator reaches the model; plain prompts (with or without separators) go throu
 """
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from graphchunk.config import GraphChunkConfig  # noqa: E402
-from graphchunk.engine.frontend import BOUNDARIES_ARG, MODE_ARG, RATIO_ARG, RECOMPUTE_ARG, TOKENS_ARG  # noqa: E402
-from graphchunk.metrics import new_metrics_file, read_published  # noqa: E402
+from graphchunk.config import GraphChunkConfig
+from graphchunk.engine.frontend import BOUNDARIES_ARG, MODE_ARG, RATIO_ARG, RECOMPUTE_ARG, TOKENS_ARG
+from graphchunk.metrics import new_metrics_file, read_published
 
 
 @dataclass(frozen=True)
@@ -39,6 +36,32 @@ class RagPrompt:
 
 
 _MARK = "\x00graphchunk-{}\x00"
+
+
+def encode_prompt(tokenizer, prompt: RagPrompt) -> tuple[list[int], list[int]]:
+    """Token ids and segment boundaries (start of each chunk and of the question) of ``prompt``
+    under ``tokenizer`` (a Hugging Face tokenizer): what ``GraphChunkLLM.encode`` sends, without
+    an engine."""
+    texts = chat_segments(tokenizer, prompt) if prompt.chat else [prompt.sys, *prompt.chunks, prompt.question]
+    # A chat template writes its own BOS; a plain prompt gets the tokenizer's on sys.
+    pieces = [tokenizer.encode(text, add_special_tokens=(i == 0 and not prompt.chat)) if text else []
+              for i, text in enumerate(texts)]
+    boundaries = np.cumsum([len(piece) for piece in pieces[:-1]]).tolist()
+    return [t for piece in pieces for t in piece], boundaries
+
+
+def chat_segments(tokenizer, prompt: RagPrompt) -> list[str]:
+    """The chat template rendered around markers and cut there. Template text after the system
+    prompt stays with sys; after a document (the "\n\n" joining them), with that document, so a
+    document's tokens are the same wherever it appears; the assistant header, with the question."""
+    contents = [prompt.sys, *prompt.chunks, prompt.question]
+    marks = [_MARK.format(i) for i in range(len(contents))]
+    messages = [{"role": "system", "content": marks[0]}, {"role": "user", "content": "\n\n".join(marks[1:])}]
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    parts = re.split("|".join(map(re.escape, marks)), rendered)
+    if len(parts) != len(marks) + 1:
+        raise ValueError("the chat template does not keep the system and user messages verbatim")
+    return [parts[0] + contents[0] + parts[1]] + [c + p for c, p in zip(contents[1:], parts[2:])]
 
 
 class GraphChunkLLM:
@@ -110,27 +133,9 @@ class GraphChunkLLM:
                              recompute_tokens=recompute_tokens)
 
     def encode(self, prompt: RagPrompt) -> tuple[list[int], list[int]]:
-        """Token ids and segment boundaries (start of each chunk and of the question)."""
-        texts = self._chat_segments(prompt) if prompt.chat else [prompt.sys, *prompt.chunks, prompt.question]
-        # A chat template writes its own BOS; a plain prompt gets the tokenizer's on sys.
-        pieces = [self.tokenizer.encode(text, add_special_tokens=(i == 0 and not prompt.chat)) if text else []
-                  for i, text in enumerate(texts)]
-        boundaries = np.cumsum([len(piece) for piece in pieces[:-1]]).tolist()
-        return [t for piece in pieces for t in piece], boundaries
-
-    def _chat_segments(self, prompt: RagPrompt) -> list[str]:
-        """The chat template rendered around markers and cut there. Template text after the
-        system prompt stays with sys; after a document (the "\n\n" joining them), with that
-        document, so a document's tokens are the same wherever it appears; the assistant
-        header, with the question."""
-        contents = [prompt.sys, *prompt.chunks, prompt.question]
-        marks = [_MARK.format(i) for i in range(len(contents))]
-        messages = [{"role": "system", "content": marks[0]}, {"role": "user", "content": "\n\n".join(marks[1:])}]
-        rendered = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        parts = re.split("|".join(map(re.escape, marks)), rendered)
-        if len(parts) != len(marks) + 1:
-            raise ValueError("the chat template does not keep the system and user messages verbatim")
-        return [parts[0] + contents[0] + parts[1]] + [c + p for c, p in zip(contents[1:], parts[2:])]
+        """Token ids and segment boundaries (start of each chunk and of the question); see
+        ``encode_prompt``, which needs only the tokenizer."""
+        return encode_prompt(self.tokenizer, prompt)
 
     # --- lifecycle and metrics ----------------------------------------------------------------
 
@@ -144,12 +149,10 @@ class GraphChunkLLM:
         return self.llm.collective_rpc("graphchunk_reset_pool")[0]
 
     def templates_manifest(self) -> dict | None:
-        """The captured graph templates (grid, backend, capture time and memory per bucket)."""
+        """The grid's buckets, how many cached-chunk prefills ran on vLLM's graphs in each (replayed,
+        padded, eager; ``outside_buckets``: steps no bucket holds) and what vLLM's graphs ran with;
+        None without ``graphchunk.templates``."""
         return self.llm.collective_rpc("graphchunk_templates_manifest")[0]
-
-    def use_templates(self, enabled: bool) -> None:
-        """Replay graph templates (the default when configured), or run every step eager."""
-        self.llm.collective_rpc("graphchunk_use_templates", args=(enabled,))
 
     def published_stats(self) -> dict[str, float] | None:
         """The metrics as /metrics exports them (published by the worker after each step)."""

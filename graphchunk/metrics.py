@@ -1,54 +1,112 @@
-"""Counters of the chunk cache, exported by ``GraphChunkLLM.stats()`` and the server's /metrics."""
+"""Counters of the chunk cache, exported by ``GraphChunkLLM.stats()`` and the server's /metrics.
+
+``CacheMetrics`` is the schema: each field is declared with ``_counter`` or ``_gauge``, which
+give it its Prometheus kind and help text, and each gauge computed from fields is a
+``_derived_gauge`` property; ``SCHEMA`` (and the publisher, reader and collector below, which use
+it) are derived from the class.
+
+The worker runs in a process of its own (a multiprocessing child of vLLM's engine core, itself a
+child of the API process or of the program holding a GraphChunkLLM). After each step it
+publishes a snapshot into a small shared file of float64s (``FIELDS`` order) named by
+GRAPHCHUNK_METRICS_FILE, which child processes inherit; the API process's /metrics
+(``PrometheusCollector``) and ``GraphChunkLLM.published_stats()`` read it. (``GraphChunkLLM.stats()``
+does not: it asks the worker by RPC.)
+
+Why not prometheus_client's multiprocess mode (PROMETHEUS_MULTIPROC_DIR, MultiProcessCollector):
+- vLLM owns that variable. The worker's prometheus_client writes to files only if the variable
+  is set when it is imported (``prometheus_client.values.ValueClass`` is chosen at import), so
+  the API process would have to set it before vLLM spawns the engine; but vLLM's
+  ``get_prometheus_registry()`` (vllm/v1/metrics/prometheus.py), on seeing it set, serves
+  /metrics from a fresh ``CollectorRegistry`` holding only a ``MultiProcessCollector``: every
+  metric vLLM keeps in the API process's memory (created before a plugin can set the variable)
+  would vanish from /metrics, and vLLM warns that a directory it did not create "must be wiped
+  between vLLM runs". vLLM sets it itself only with --api-server-count > 1 (and then its
+  /metrics, built that way, does not show a collector on the global registry, so graphchunk's
+  metrics are not exported with several API servers).
+- Counters are summed over every process's file; there is no other mode for them. Under tensor
+  parallelism every rank's worker keeps and publishes the same counts (each plans the same
+  steps), so graphchunk_lookups_total etc. would read tp_size times the lookups; here the
+  ranks overwrite the same slots.
+- CacheMetrics holds totals, and its gauges are set, not incremented: the worker would have to
+  turn each snapshot into increments against the last one it published, and every gauge would
+  need multiprocess_mode="mostrecent".
+- Files are per pid and outlive their process: a worker's files stay summed in after it exits,
+  so each engine (several GraphChunkLLMs in one program, a restarted server) would need a
+  directory of its own that graphchunk creates and removes.
+One file per engine, overwritten by whole snapshots, has none of these problems.
+"""
 from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields
+
+
+def _counter(help_text: str, default: float = 0):
+    """A field that only grows over the worker's life: a Prometheus counter."""
+    return field(default=default, metadata={"kind": "counter", "help": help_text})
+
+
+def _gauge(help_text: str, default: float = 0):
+    """A field set to the current state (it may go down): a Prometheus gauge."""
+    return field(default=default, metadata={"kind": "gauge", "help": help_text})
+
+
+class _DerivedGauge(property):
+    """A read-only property computed from fields, exported as a gauge."""
+
+    def __init__(self, fget, help_text: str):
+        super().__init__(fget)
+        self.help = help_text
+
+
+def _derived_gauge(help_text: str):
+    return lambda fget: _DerivedGauge(fget, help_text)
 
 
 @dataclass
 class CacheMetrics:
-    lookups: int = 0
-    hits: int = 0
-    misses: int = 0
-    evictions: int = 0
-    tokens_reused: int = 0
-    tokens_computed: int = 0
-    pool_blocks_used: int = 0
-    pool_blocks_total: int = 0
-    lookup_seconds: float = 0.0
-    graph_captures: int = 0
-    graph_replays: int = 0
-    graph_padded: int = 0
-    graph_eager: int = 0
-    blend_lookups: int = 0
-    blend_hits: int = 0
-    blend_misses: int = 0
-    blend_tokens_reused: int = 0
-    blend_tokens_recomputed: int = 0
-    blend_tokens_checked: int = 0
-    blend_tier_hits: int = 0
-    tier_hits: int = 0
-    tier_loads: int = 0
-    tier_rejected: int = 0
-    tier_writes: int = 0
-    tier_write_errors: int = 0
-    tier_evictions: int = 0
-    tier_bytes_read: int = 0
-    tier_bytes_written: int = 0
-    tier_read_seconds: float = 0.0
-    tier_write_seconds: float = 0.0
-    tier_bytes: int = 0
-    tier_host_hits: int = 0
-    tier_host_bytes: int = 0
-    pool_refs_held: int = 0
-    pool_blocks_leaked: int = 0
+    lookups: int = _counter("Chunk-pool lookups")
+    hits: int = _counter("Chunk-pool lookups that found the KV")
+    misses: int = _counter("Chunk-pool lookups that had to compute the KV (neither in the pool nor in the tier)")
+    evictions: int = _counter("Pool entries evicted")
+    tokens_reused: int = _counter("Context tokens whose KV was copied from the pool instead of computed")
+    tokens_computed: int = _counter("Prompt tokens computed (chunk misses and questions)")
+    pool_blocks_used: int = _gauge("Pool blocks holding KV")
+    pool_blocks_total: int = _gauge("Pool blocks in the budget")
+    lookup_seconds: float = _counter("Time spent in pool lookups", 0.0)
+    graph_replays: int = _counter("Cached-chunk prefill steps that ran a captured graph at exactly their token count")
+    graph_padded: int = _counter("Cached-chunk prefill steps that ran a captured graph padded to more tokens")
+    graph_eager: int = _counter("Cached-chunk prefill steps that vLLM ran without a graph "
+                                "(e.g. more tokens than its capture sizes)")
+    blend_lookups: int = _counter("Chunk-pool lookups of blend-mode requests (isolated: lookups - blend_lookups)")
+    blend_hits: int = _counter("Chunk-pool hits of blend-mode requests")
+    blend_misses: int = _counter("Chunk-pool misses of blend-mode requests")
+    blend_tokens_reused: int = _counter("Context tokens of blend-mode requests whose KV was copied from the pool")
+    blend_tokens_recomputed: int = _counter("Reused chunk tokens of blend-mode requests recomputed through every layer")
+    blend_tokens_checked: int = _counter("Chunk tokens run through CacheBlend's check layers to rank them")
+    blend_tier_hits: int = _counter("Tier hits of blend-mode requests")
+    tier_hits: int = _counter("Chunk-pool lookups missing the pool and served from the persistent tier")
+    tier_loads: int = _counter("Entries (sys prompts and chunks) loaded from the persistent tier")
+    tier_rejected: int = _counter("Tier files not served: truncated, corrupt, unreadable or another engine's")
+    tier_writes: int = _counter("Entries written to the persistent tier")
+    tier_write_errors: int = _counter("Tier writes that failed")
+    tier_evictions: int = _counter("Tier files removed by the tier's budget")
+    tier_bytes_read: int = _counter("Bytes loaded from the tier")
+    tier_bytes_written: int = _counter("Bytes written to the tier")
+    tier_read_seconds: float = _counter("Time spent loading tier files", 0.0)
+    tier_write_seconds: float = _counter("Time spent writing tier files", 0.0)
+    tier_bytes: int = _gauge("Bytes of tier files in the store directory (as of this server's last count)")
+    tier_host_hits: int = _counter("Tier loads served from the host-memory tier (no file read)")
+    tier_host_bytes: int = _gauge("Bytes of payloads in the host-memory tier")
+    pool_refs_held: int = _gauge("References held on pool entries (0 between steps)")
+    pool_blocks_leaked: int = _gauge("Pool blocks used but owned by no indexed entry (0 between steps)")
 
-    @property
+    @_derived_gauge("Used fraction of the pool")
     def pool_utilization(self) -> float:
         return self.pool_blocks_used / self.pool_blocks_total if self.pool_blocks_total else 0.0
 
-    @property
+    @_derived_gauge("hits / lookups")
     def hit_rate(self) -> float:
         return self.hits / self.lookups if self.lookups else 0.0
 
@@ -67,56 +125,33 @@ class CacheMetrics:
             self.lookup_seconds += time.perf_counter() - start
 
     def snapshot(self) -> dict[str, float]:
-        return {**asdict(self), "pool_utilization": self.pool_utilization, "hit_rate": self.hit_rate}
+        return {**asdict(self), **{name: getattr(self, name) for name in DERIVED}}
 
 
-# --- across processes -------------------------------------------------------------------------
-# The worker runs in a process of its own (spawned by vLLM's engine core); the process serving
-# /metrics or calling GraphChunkLLM.stats() reads what the worker publishes into a small shared
-# file of float64s named by GRAPHCHUNK_METRICS_FILE, which child processes inherit.
+DERIVED = tuple(name for name, attr in vars(CacheMetrics).items() if isinstance(attr, _DerivedGauge))
+"""The gauges computed from fields (``_derived_gauge`` properties), in ``snapshot()``."""
+
+
+def _schema() -> dict[str, tuple[str, str]]:
+    schema = {}
+    for f in fields(CacheMetrics):
+        if "kind" not in f.metadata:
+            raise TypeError(f"CacheMetrics.{f.name}: declare it with _counter() or _gauge()")
+        schema[f.name] = (f.metadata["kind"], f.metadata["help"])
+    return {**schema, **{name: ("gauge", getattr(CacheMetrics, name).help) for name in DERIVED}}
+
+
+SCHEMA = _schema()
+"""Every exported metric, as ``CacheMetrics`` declares it: name -> (kind, help text)."""
+COUNTERS = tuple(name for name, (kind, _) in SCHEMA.items() if kind == "counter")
+GAUGES = tuple(name for name, (kind, _) in SCHEMA.items() if kind == "gauge")
+FIELDS = COUNTERS + GAUGES
+"""Order of the values in the shared metrics file."""
+
+
+# --- across processes (see the module docstring) -------------------------------------------
 
 METRICS_FILE_ENV = "GRAPHCHUNK_METRICS_FILE"
-COUNTERS = ("lookups", "hits", "misses", "evictions", "tokens_reused", "tokens_computed", "lookup_seconds",
-            "graph_captures", "graph_replays", "graph_padded", "graph_eager",
-            "blend_lookups", "blend_hits", "blend_misses", "blend_tokens_reused", "blend_tokens_recomputed",
-            "blend_tokens_checked", "blend_tier_hits",
-            "tier_hits", "tier_loads", "tier_rejected", "tier_writes", "tier_write_errors", "tier_evictions",
-            "tier_bytes_read", "tier_bytes_written", "tier_read_seconds", "tier_write_seconds", "tier_host_hits")
-GAUGES = ("pool_blocks_used", "pool_blocks_total", "pool_utilization", "hit_rate", "tier_bytes", "tier_host_bytes",
-          "pool_refs_held", "pool_blocks_leaked")
-FIELDS = COUNTERS + GAUGES
-HELP = {
-    "lookups": "Chunk-pool lookups", "hits": "Chunk-pool lookups that found the KV",
-    "misses": "Chunk-pool lookups that had to compute the KV (neither in the pool nor in the tier)",
-    "evictions": "Pool entries evicted",
-    "tokens_reused": "Context tokens whose KV was copied from the pool instead of computed",
-    "tokens_computed": "Prompt tokens computed (chunk misses and questions)",
-    "lookup_seconds": "Time spent in pool lookups", "pool_blocks_used": "Pool blocks holding KV",
-    "pool_blocks_total": "Pool blocks in the budget", "pool_utilization": "Used fraction of the pool",
-    "hit_rate": "hits / lookups",
-    "graph_captures": "Graph templates captured (one per bucket)",
-    "graph_replays": "Cached-chunk prefill steps that ran a captured graph at exactly their token count",
-    "graph_padded": "Cached-chunk prefill steps that ran a captured graph padded to more tokens",
-    "graph_eager": "Cached-chunk prefill steps that ran without a captured graph (no bucket, mixed step, replay miss)",
-    "blend_lookups": "Chunk-pool lookups of blend-mode requests (isolated: lookups - blend_lookups)",
-    "blend_hits": "Chunk-pool hits of blend-mode requests", "blend_misses": "Chunk-pool misses of blend-mode requests",
-    "blend_tokens_reused": "Context tokens of blend-mode requests whose KV was copied from the pool",
-    "blend_tokens_recomputed": "Reused chunk tokens of blend-mode requests recomputed through every layer",
-    "blend_tokens_checked": "Chunk tokens run through CacheBlend's check layers to rank them",
-    "blend_tier_hits": "Tier hits of blend-mode requests",
-    "tier_hits": "Chunk-pool lookups missing the pool and served from the persistent tier",
-    "tier_loads": "Entries (sys prompts and chunks) loaded from the persistent tier",
-    "tier_rejected": "Tier files not served: truncated, corrupt, unreadable or another engine's",
-    "tier_writes": "Entries written to the persistent tier", "tier_write_errors": "Tier writes that failed",
-    "tier_evictions": "Tier files removed by the tier's budget", "tier_bytes_read": "Bytes loaded from the tier",
-    "tier_bytes_written": "Bytes written to the tier", "tier_read_seconds": "Time spent loading tier files",
-    "tier_write_seconds": "Time spent writing tier files",
-    "tier_bytes": "Bytes of tier files in the store directory (as of this server's last count)",
-    "tier_host_hits": "Tier loads served from the host-memory tier (no file read)",
-    "tier_host_bytes": "Bytes of payloads in the host-memory tier",
-    "pool_refs_held": "References held on pool entries (0 between steps)",
-    "pool_blocks_leaked": "Pool blocks used but owned by no indexed entry (0 between steps)",
-}
 
 
 def new_metrics_file() -> str:
@@ -164,7 +199,7 @@ class PrometheusCollector:
         values = read_published()
         if values is None:
             return
-        for name in COUNTERS:
-            yield CounterMetricFamily(f"graphchunk_{name}", HELP[name], value=values[name])
-        for name in GAUGES:
-            yield GaugeMetricFamily(f"graphchunk_{name}", HELP[name], value=values[name])
+        family = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily}
+        for name in FIELDS:
+            kind, help_text = SCHEMA[name]
+            yield family[kind](f"graphchunk_{name}", help_text, value=values[name])

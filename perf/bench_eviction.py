@@ -38,7 +38,6 @@ import argparse
 import bisect
 import json
 import math
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -47,6 +46,8 @@ import numpy as np
 
 from graphchunk.cache.eviction import Belady
 from graphchunk.cache.pool import ChunkPool, PoolExhausted
+
+import harness as H
 
 POLICIES = ("lru", "lfu", "gdsf", "gdsf-cost1", "belady")
 NOTE_OBJECTIVE = ("The default policy is chosen on recomputed tokens (the prefill a miss costs); chunk hit rate "
@@ -169,9 +170,11 @@ def replay(trace, lengths, policy: str, num_blocks: int, args, positions) -> dic
 
 
 def run_scenario(args, lengths, skew: float, shift: bool, rng) -> list[dict]:
+    from vllm.utils.math_utils import cdiv
+
     trace = make_trace(args, skew, shift, rng)
     positions = next_uses(trace)
-    working_blocks = sum(-(-int(lengths[d]) // args.block_size) for d in positions)
+    working_blocks = sum(cdiv(int(lengths[d]), args.block_size) for d in positions)
     name = f"{'shift' if shift else 'zipf'}-{skew:g}"
     points = []
     for fraction in floats(args.fractions):
@@ -220,10 +223,7 @@ def summarize(points: list[dict]) -> dict:
 
 
 def plot(result: dict, path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = H.pyplot()
     points = result["points"]
     scenarios = list(dict.fromkeys(p["scenario"] for p in points))
     policies = list(dict.fromkeys(p["policy"] for p in points))
@@ -248,8 +248,7 @@ def plot(result: dict, path: str) -> None:
     axes[1, 0].set_ylabel("recomputed tokens / LRU's")
     axes[0, 0].legend(fontsize=8)
     fig.suptitle(result["title"], fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    H.save_figure(fig, path)
 
 
 def main(argv=None) -> int:
@@ -265,13 +264,12 @@ def main(argv=None) -> int:
     result = dict(
         title=f"{args.docs} docs ({args.min_tokens}-{args.max_tokens} tok, median {args.median_tokens}), "
               f"{args.requests} requests of {args.k_min}-{args.k_max} Zipf docs",
-        command="python " + " ".join(shlex.quote(a) for a in [Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
-        config=vars(args), corpus=dict(tokens=int(lengths.sum()), mean_tokens=float(lengths.mean()),
-                                       median_tokens=float(np.median(lengths))),
+        command=H.command_line(__file__, argv), config=vars(args),
+        corpus=dict(tokens=int(lengths.sum()), mean_tokens=float(lengths.mean()),
+                    median_tokens=float(np.median(lengths))),
         note=[NOTE_OBJECTIVE, NOTE_BELADY], summary=summarize(points), points=points,
         wall_s=round(time.perf_counter() - started, 1))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    H.write_json(args.out, result)
     plot(result, args.plot)
     print(json.dumps(result["summary"], indent=1))
     print(f"wrote {args.out} and {args.plot} in {result['wall_s']} s")

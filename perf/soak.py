@@ -49,24 +49,19 @@ beside it (imported as top-level modules: perf/ is on ``sys.path``): ``soak_trac
 trace, request encoder), ``soak_client`` (HTTP clients with their abort kinds, dispatcher),
 ``soak_server`` (starting servers, /metrics, RSS, tier files), ``soak_faults`` (the planted tier
 faults and their canary requests), ``soak_check`` (the oracle comparison) and ``soak_report``
-(the result and its invariants).
+(the result and its invariants); ``harness`` holds what every perf script shares.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
-import os
 import random
-import shlex
 import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 PERF = Path(__file__).resolve().parent
 REPO = PERF.parent
@@ -75,6 +70,7 @@ for path in (str(REPO), str(PERF)):
         sys.path.insert(0, path)
 
 from graphchunk.tools.serve_demo import free_port  # noqa: E402
+import harness as H  # noqa: E402
 from soak_check import check  # noqa: E402
 from soak_client import Client, Dispatcher, Estimates, Outcome, client_threads, count_statuses  # noqa: E402
 from soak_faults import Faults  # noqa: E402
@@ -90,10 +86,8 @@ class Soak:
         self.args = args
         self.log = log
         self.rng = random.Random(args.seed)
-        self.model_path = resolve_model(args.model)
-        import transformers
-
-        self.tokenizer = transformers.AutoTokenizer.from_pretrained(self.model_path)
+        self.model_path = H.resolve_model(args.model)
+        self.tokenizer = H.load_tokenizer(self.model_path)
         self.corpus = build_corpus(self.tokenizer, args.docs, tuple(args.doc_tokens), args.questions,
                                    tuple(args.question_words), self.rng)
         self.trace = build_trace(self.corpus, args, self.rng)
@@ -107,9 +101,11 @@ class Soak:
         if longest_prompt + args.max_tokens + 8 * args.docs_per_request[1] > args.max_model_len:
             raise SystemExit(f"prompts of up to ~{longest_prompt} tokens and {args.max_tokens} generated do not fit "
                              f"--max-model-len {args.max_model_len}")
+        from vllm.utils.math_utils import cdiv
+
         # graphchunk's start-up check: a pool holds a sys prompt of max_model_len and one chunk.
         bs = args.block_size
-        minimum = (-(-args.max_model_len // bs) + 1 + -(-self.max_chunk_len // bs)) * bs
+        minimum = (cdiv(args.max_model_len, bs) + 1 + cdiv(self.max_chunk_len, bs)) * bs
         self.pool_tokens = args.pool_tokens or max(int(self.working_set * args.pool_fraction), minimum)
         self.log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="graphchunk-soak-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -271,16 +267,6 @@ class Soak:
         return found
 
 
-def resolve_model(name: str) -> Path:
-    from graphchunk.reference import models
-
-    if name == "smollm2":
-        return models.smollm2_path()
-    if name.startswith("tiny-"):
-        return models.tiny_checkpoint(name.removeprefix("tiny-"))
-    return Path(name)
-
-
 # --- CLI ----------------------------------------------------------------------------------------
 
 def _pair(text: str) -> tuple[int, int]:
@@ -345,12 +331,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    H.script_env()
     if args.warmup <= 0:
         args.warmup = max(1, args.requests // 10)
-    command = shlex.join([".venv/bin/python", "perf/soak.py", *argv])
-    result = Soak(args).run(command)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    result = Soak(args).run(H.command_line(__file__, argv))
+    H.write_json(args.out, result)
     keys = ("requests", "wrong_outputs", "checked_outputs", "leaked_refs", "hit_rate", "tier_hits", "evictions",
             "aborts", "restarts", "throughput_over_vanilla", "passed")
     print(json.dumps({k: result[k] for k in keys}, indent=1))

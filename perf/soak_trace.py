@@ -1,7 +1,8 @@
 """The soak's workload: text, corpus, Zipf trace and the request encoder (no I/O beyond the tokenizer).
 
-* ``paragraphs()`` / ``build_corpus()``: documents, questions and the canaries' unused documents
-  cut from CPython's help topics, seeded by the caller's ``random.Random``;
+* ``build_corpus()``: documents, questions and the canaries' unused documents cut from
+  CPython's help topics (``graphchunk.reference.text.help_paragraphs``, as the tests read them),
+  seeded by the caller's ``random.Random``;
 * ``Item`` / ``build_trace()``: one request of the trace (system prompt, documents by Zipf
   popularity, question, text or token-id form, client action and its delay share);
 * ``working_set_tokens()``: the KV tokens the trace's distinct pool entries hold;
@@ -28,13 +29,6 @@ ACTIONS = ("complete", "abort_stream", "abort_prefill", "abort_nostream")
 
 # --- text ---------------------------------------------------------------------------------------
 
-def paragraphs() -> list[str]:
-    """Paragraphs of CPython's help topics, as the tests read them (``reference.text``)."""
-    from graphchunk.reference.text import help_paragraphs
-
-    return help_paragraphs()
-
-
 @dataclass
 class Corpus:
     systems: list[str]
@@ -49,7 +43,9 @@ def build_corpus(tokenizer, num_docs: int, doc_tokens: tuple[int, int], num_ques
                  question_words: tuple[int, int], rng: random.Random) -> Corpus:
     """Documents of log-uniform length in ``doc_tokens`` cut from consecutive paragraphs (each
     starts a fresh paragraph, so all differ), questions from word windows of other paragraphs."""
-    pool = paragraphs()
+    from graphchunk.reference.text import help_paragraphs
+
+    pool = help_paragraphs()
     rng.shuffle(pool)
     texts, lengths = [], []
     for _ in range(num_docs + 6):
@@ -63,7 +59,7 @@ def build_corpus(tokenizer, num_docs: int, doc_tokens: tuple[int, int], num_ques
         text = tokenizer.decode(ids[:target]).strip()
         texts.append(text)
         lengths.append(len(tokenizer.encode(" " + text, add_special_tokens=False)))
-    source = paragraphs()
+    source = help_paragraphs()
     questions = []
     for _ in range(num_questions):
         words = rng.choice(source).split()

@@ -12,11 +12,12 @@ Timings are reported, not asserted: at these sizes the question dominates and no
 from __future__ import annotations
 
 import argparse
-import time
 
 import pytest
 
 import bench_ttft as B
+import harness as H
+import ttft_workload as W
 
 CHUNKS, CHUNK_TOKENS, SYS_TOKENS, QUESTION_TOKENS = 4, 128, 32, 16
 ROUNDS, WARMUP = 5, 1
@@ -25,18 +26,15 @@ RESULTS: dict[str, list[float]] = {}
 
 @pytest.fixture(scope="module")
 def model_path():
-    from graphchunk.reference import models
-
-    return str(models.smollm2_path())
+    H.script_env()  # as the script's main: offline, vLLM's step timeout, perf/ importable by the engine core
+    return str(H.resolve_model(None))
 
 
 @pytest.fixture(scope="module")
 def workload(model_path):
-    import transformers
-
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model_path)
-    return B.build_workload(tokenizer, sweep=[CHUNKS], chunk_tokens=CHUNK_TOKENS, sys_tokens=SYS_TOKENS,
-                            question_tokens=QUESTION_TOKENS, repeats=ROUNDS, warmup=WARMUP, seed=0)
+    return W.build_workload(H.load_tokenizer(model_path), sweep=[CHUNKS], chunk_tokens=CHUNK_TOKENS,
+                            sys_tokens=SYS_TOKENS, question_tokens=QUESTION_TOKENS, repeats=ROUNDS, warmup=WARMUP,
+                            seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -50,29 +48,24 @@ def setup(model_path, workload):
 class Phase:
     """Feeds one phase's requests to ``benchmark.pedantic`` and checks each one afterwards."""
 
-    def __init__(self, kind: str, engine, workload: B.Workload, setup: B.EngineSetup, requests: list[B.Request]):
+    def __init__(self, kind: str, engine, workload: W.Workload, setup: B.EngineSetup, requests: list[W.Request]):
         self.kind, self.engine, self.workload, self.setup = kind, engine, workload, setup
         self.pending = list(requests)
-        self.current: B.Request | None = None
+        self.current: W.Request | None = None
         self.before: dict = {}
         self.output = None
-        self.times: list[tuple[B.Request, float]] = []
+        self.times: list[tuple[W.Request, float]] = []
         self.failures: list[str] = []
         self.done: set[tuple[str, int, int]] = getattr(engine, "_bench_done", set())
         engine._bench_done = self.done
 
-    def run_untimed(self, req: B.Request) -> None:
+    def run_untimed(self, req: W.Request) -> None:
         ids, bounds = self.workload.prompt(req)
-        self._generate({"prompt_token_ids": ids}, self._params(bounds))
+        H.timed_generate(self.engine, {"prompt_token_ids": ids}, self._params(bounds))
         self.done.add((req.phase, req.k, req.index))
 
     def _params(self, bounds):
         return B.sampling_params(bounds if self.kind == "graphchunk" else None)
-
-    def _generate(self, prompt, params):
-        if self.kind == "graphchunk":
-            return self.engine.generate([prompt], params)
-        return self.engine.generate([prompt], params, use_tqdm=False)
 
     def next_round(self):
         self._close()
@@ -81,31 +74,23 @@ class Phase:
             # Run on its own (e.g. with -k): cache the documents first, untimed.
             self.run_untimed(next(r for r in self.workload.requests
                                   if r.phase == "miss" and r.k == req.k and r.index == req.source))
-        self.current, self.before = req, B._stats(self.engine)
+        self.current, self.before = req, H.engine_stats(self.engine)
         ids, bounds = self.workload.prompt(req)
         return ({"prompt_token_ids": ids}, self._params(bounds)), {}
 
     def target(self, prompt, params):
-        start = time.perf_counter()
-        self.output = self._generate(prompt, params)[0]
-        self.times.append((self.current, time.perf_counter() - start))
+        self.output, seconds = H.timed_generate(self.engine, prompt, params)
+        self.times.append((self.current, seconds))
 
     def _close(self) -> None:
         req, self.current = self.current, None
         if req is None:
             return
         self.done.add((req.phase, req.k, req.index))
-        bs = self.setup.llm_kwargs["block_size"]
-        if (self.output.num_cached_tokens or 0) > SYS_TOKENS // bs * bs:
-            self.failures.append(f"{req.phase} #{req.index}: prefix cache served {self.output.num_cached_tokens}")
-        expected = (B.expected_stats(req, self.workload, SYS_TOKENS, QUESTION_TOKENS)
-                    if self.kind == "graphchunk" else None)
-        if expected:
-            after = B._stats(self.engine)
-            delta = {key: int(after[key] - self.before[key]) for key in expected}
-            wrong = B.stats_violations(delta, expected)
-            if wrong:
-                self.failures.append(f"{req.phase} #{req.index}: counters (got, expected range) {wrong}")
+        delta = H.counter_delta(self.before, H.engine_stats(self.engine), B.STAT_KEYS)
+        self.failures += B.check_request(self.kind, req, self.output, delta, self.workload, sys_tokens=SYS_TOKENS,
+                                         question_tokens=QUESTION_TOKENS,
+                                         block_size=self.setup.llm_kwargs["block_size"])[2]
 
     def finish(self, benchmark, name: str) -> None:
         self._close()
@@ -129,16 +114,16 @@ def run_phase(benchmark, kind, engine, workload, setup, phase: str, name: str) -
 
 @pytest.fixture(scope="class")
 def vanilla_engine(setup):
-    engine = B.make_engine("vanilla", setup)
+    engine = H.make_engine("vanilla", setup.llm_kwargs)
     yield engine
-    B.shutdown(engine)
+    H.shutdown(engine)
 
 
 @pytest.fixture(scope="class")
 def graphchunk_engine(setup):
-    engine = B.make_engine("graphchunk", setup)
+    engine = H.make_engine("graphchunk", setup.llm_kwargs, setup.graphchunk)
     yield engine
-    B.shutdown(engine)
+    H.shutdown(engine)
 
 
 class TestVanilla:
@@ -159,7 +144,7 @@ def test_ratios(record_property):
     """Reports speedup_all_hit and ratio_all_miss from the three measurements above (no target)."""
     if not all(name in RESULTS for name in ("vanilla", "all_miss", "all_hit")):
         pytest.skip("needs test_vanilla, test_graphchunk_all_miss and test_graphchunk_all_hit in this session")
-    p50 = {name: B.percentiles(times)["p50"] for name, times in RESULTS.items()}
+    p50 = {name: H.percentile(times, 50) for name, times in RESULTS.items()}
     ratios = dict(speedup_all_hit=p50["vanilla"] / p50["all_hit"], ratio_all_miss=p50["all_miss"] / p50["vanilla"])
     for name, value in ratios.items():
         record_property(name, value)

@@ -67,15 +67,14 @@ GC_LLM_BLOCK_SIZE = 32
 GC_LLM_MAX_BATCHED_TOKENS = 256
 """Prompts longer than this run as several chunked-prefill steps; shorter ones in one."""
 GC_LLM_TEMPLATES = Path(__file__).parent / "data" / "templates.toml"
-"""Graph templates replayed by every cached-chunk prefill step that fits (the exactness tests run through them)."""
+"""The bucket grid counting how each cached-chunk prefill ran on vLLM's compiled graph."""
 
 
 @pytest.fixture(scope="session")
 def gc_llm(smollm2_path):
     """One GraphChunkLLM engine (SmolLM2-135M, fp32, prefix caching on, vLLM's own compilation on
-    as a user gets it — no --enforce-eager — plus graph-safety-checked compiled templates) for the
-    whole session; starting one takes ~1.5 min of vLLM's compile plus ~1.5 min of template capture
-    on a cold inductor cache."""
+    as a user gets it — no --enforce-eager — with the test grid's buckets counted) for the whole
+    session; starting one takes ~1.5 min of vLLM's compile on a cold inductor cache."""
     from graphchunk import GraphChunkLLM
 
     llm = GraphChunkLLM(str(smollm2_path), dtype="float32", max_model_len=2048,

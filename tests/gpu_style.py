@@ -203,7 +203,8 @@ class _FlexAttentionOnCpu:
         KV cache geometry, and where the pool's blocks start."""
         runner = self.model_runner
         backends = sorted({group.backend.get_name() for groups in runner.attn_groups for group in groups})
-        kv = runner.gc_layers[0].kv_cache if hasattr(runner, "gc_layers") else None
+        engine = getattr(runner, "chunk_engine", None)
+        kv = engine.kv.copier.caches[0] if engine is not None else None
         return {
             "backends": backends,
             "kv_cache_layout": runner.cache_config.kv_cache_layout,

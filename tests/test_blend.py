@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from graphchunk.blend.recompute import RecomputePolicy, cacheblend_tokens, legolink_tokens, recompute, runs
+from graphchunk.blend.recompute import RecomputePolicy, cacheblend_tokens, legolink_tokens, recompute
 from graphchunk.cache.chunk_cache import ChunkCache, ScheduledPrompt
 from graphchunk.cache.keys import KeySpace
 from graphchunk.cache.pool import ChunkPool
+from graphchunk.device import consecutive_runs
 from graphchunk.metrics import CacheMetrics
 from graphchunk.segments import split_at
 from test_chunk_cache import BS, FakeDevice, make_prompt, request_blocks
@@ -28,7 +29,7 @@ class BlendDevice(FakeDevice):
         self.keys, self.calls = {}, []
         self.check_keys = check_keys or {}  # logical token -> K a check forward writes there
 
-    def forward(self, seqs, num_layers=None):
+    def prefill(self, seqs, num_layers=None):
         self.calls.append((num_layers, [(s.num_cached, len(s.token_ids)) for s in seqs]))
         for seq in seqs:
             for i in range(seq.num_cached, len(seq.token_ids)):
@@ -93,8 +94,8 @@ def test_cacheblend_picks_the_largest_deviations_in_order():
 
 def test_legolink_and_runs():
     assert legolink_tokens([(3, 8), (8, 10), (10, 20)], 3).tolist() == [3, 4, 5, 8, 9, 10, 11, 12]
-    assert runs(np.array([3, 4, 5, 8, 9, 10, 11, 12, 15])) == [(3, 6), (8, 13), (15, 16)]
-    assert runs(np.array([], np.int64)) == []
+    assert consecutive_runs(np.array([3, 4, 5, 8, 9, 10, 11, 12, 15])) == [(3, 3), (8, 5), (15, 1)]
+    assert consecutive_runs(np.array([], np.int64)) == []
 
 
 # --- the plan over a device -----------------------------------------------------------------------
@@ -185,13 +186,23 @@ def test_worker_runs_blend_as_full_prefill_where_it_cannot_blend():
     from types import SimpleNamespace
 
     from graphchunk.config import GraphChunkConfig
-    from graphchunk.engine.model_runner import ChunkRunnerMixin
+    from graphchunk.engine.blend_support import BlendSupport
+    from graphchunk.engine.chunk_engine import ChunkEngine
 
-    args = {"graphchunk_recompute": "cacheblend", "graphchunk_recompute_ratio": 0.3, "graphchunk_recompute_tokens": 4}
-    runner = SimpleNamespace(gc_config=GraphChunkConfig(), gc_rotation=object(), gc_check_refusal=None)
-    assert ChunkRunnerMixin._blend_policy(runner, args) == RecomputePolicy("cacheblend", 0.3, 4)
-    runner.gc_check_refusal = "no layer range"
-    assert ChunkRunnerMixin._blend_policy(runner, args) is None
-    assert ChunkRunnerMixin._blend_policy(runner, {**args, "graphchunk_recompute": "legolink"}) is not None
-    runner.gc_rotation = None
-    assert ChunkRunnerMixin._blend_policy(runner, {**args, "graphchunk_recompute": "legolink"}) is None
+    args = {"graphchunk_boundaries": [2, 5, 8], "graphchunk_mode": "blend", "graphchunk_recompute": "cacheblend",
+            "graphchunk_recompute_ratio": 0.3, "graphchunk_recompute_tokens": 4}
+
+    def registered(blend: BlendSupport, extra_args: dict):
+        engine = ChunkEngine(GraphChunkConfig(), None, None, None, blend)
+        new_req = SimpleNamespace(req_id="r", prompt_token_ids=list(range(12)),
+                                  sampling_params=SimpleNamespace(extra_args=extra_args))
+        engine._register(new_req)
+        request = engine.requests.get("r")
+        return None if request is None else request.policy
+
+    assert registered(BlendSupport(object()), args) == RecomputePolicy("cacheblend", 0.3, 4)
+    no_check = BlendSupport(object(), check_refusal="no layer range")
+    assert registered(no_check, args) is None
+    assert registered(no_check, {**args, "graphchunk_recompute": "legolink"}) is not None
+    no_rotation = BlendSupport(None, "no rotary embedding", "no layer range")
+    assert registered(no_rotation, {**args, "graphchunk_recompute": "legolink"}) is None

@@ -1,29 +1,23 @@
-"""Bucket grids, bucket choice and the template backends, without an engine."""
-import sys
+"""Bucket grids, bucket choice and the per-bucket counts, without an engine."""
 from types import SimpleNamespace
 
 import pytest
-import torch
 
 from graphchunk.config import ConfigError
 from graphchunk.engine.worker import check_grid
+from graphchunk.graphs.bucket_counts import OUTCOMES, BucketCounts
 from graphchunk.graphs.buckets import AXES, Bucket, RequestShape, load_grid, parse_grid
-from graphchunk.graphs.graph_backends import ReplayMiss, make_backend
-from graphchunk.graphs.templates import GraphTemplates, TemplateCaptureError
 from graphchunk.metrics import CacheMetrics
 
-GRID = {"backend": "compile", "grid": {"batch": [1, 2], "num_chunks": [2, 8], "max_chunk_len": [128, 384],
-                                       "max_sys_len": [96], "question_tokens": [16, 32]}}
-
-
-CPU_BACKEND = "vllm"
+GRID = {"backend": "vllm", "grid": {"batch": [1, 2], "num_chunks": [2, 8], "max_chunk_len": [128, 384],
+                                    "max_sys_len": [96], "question_tokens": [16, 32]}}
 
 
 def shape(chunks, question, sys=10):
     return RequestShape(sys, tuple(chunks), question)
 
 
-@pytest.mark.parametrize("name, backend, count", [("cpu", CPU_BACKEND, 24), ("h100", "vllm", 144),
+@pytest.mark.parametrize("name, backend, count", [("cpu", "vllm", 24), ("h100", "vllm", 144),
                                                   ("ascend-910b", "vllm", 24)])
 def test_shipped_grids(name, backend, count):
     grid = load_grid(name)
@@ -35,7 +29,7 @@ def test_grid_by_path_equals_grid_by_name():
 
 
 @pytest.mark.parametrize("edit, message", [
-    (lambda g: g.update(backend="tensorrt"), "backend must be one of"),
+    (lambda g: g.update(backend="tensorrt"), "backend 'tensorrt' is not supported"),
     (lambda g: g.update(extra=1), "unknown key(s) ['extra']"),
     (lambda g: g["grid"].pop("batch"), "must list exactly"),
     (lambda g: g["grid"].update(batch=[]), "grid.batch must be a non-empty list"),
@@ -43,8 +37,7 @@ def test_grid_by_path_equals_grid_by_name():
     (lambda g: g["grid"].update(num_chunks=[2.5]), "grid.num_chunks"),
     (lambda g: g["grid"].update(max_sys_len=[True]), "grid.max_sys_len"),
     (lambda g: g.update(backend="torchair"), "torchair graph mode"),
-    (lambda g: g.update(checked="yes"), "checked must be true or false"),
-    (lambda g: g.update(backend="vllm", checked=True), "true only with backend 'compile' or 'eager'"),
+    (lambda g: g.update(checked=True), "key 'checked' was removed with graphchunk's own graph templates"),
 ])
 def test_bad_grids_are_refused_naming_the_problem(edit, message):
     raw = {"backend": GRID["backend"], "grid": dict(GRID["grid"])}
@@ -52,6 +45,18 @@ def test_bad_grids_are_refused_naming_the_problem(edit, message):
     with pytest.raises(ConfigError, match="grid.toml") as info:
         parse_grid(raw, "grid.toml")
     assert message in str(info.value)
+
+
+@pytest.mark.parametrize("backend", ["compile", "eager", "cuda_graph", "npu_graph"])
+def test_removed_template_backends_say_vllms_graphs_replay_the_buckets(backend):
+    with pytest.raises(ConfigError, match=f"grid.toml: backend '{backend}' is not supported: graphchunk's own "
+                                          f"graph templates were removed and vLLM's graphs replay the buckets; "
+                                          f"use backend 'vllm'"):
+        parse_grid({**GRID, "backend": backend}, "grid.toml")
+
+
+def test_backend_defaults_to_vllm():
+    assert parse_grid({"grid": GRID["grid"]}, "x").backend == "vllm"
 
 
 def test_unknown_grid_lists_shipped_grids(tmp_path):
@@ -64,7 +69,7 @@ def test_unknown_grid_lists_shipped_grids(tmp_path):
 
 
 def test_zero_sys_is_allowed():
-    raw = {"backend": "eager", "grid": {**GRID["grid"], "max_sys_len": [0]}}
+    raw = {"backend": "vllm", "grid": {**GRID["grid"], "max_sys_len": [0]}}
     assert parse_grid(raw, "x").bucket_for([shape([5], 3, sys=0)]).max_sys_len == 0
 
 
@@ -101,140 +106,41 @@ def test_bucket_shape():
     assert (bucket.num_tokens, bucket.max_context_len, bucket.name) == (64, 96 + 8 * 384, "b2-c8x384-s96-q32")
 
 
-def test_runner_refuses_device_graph_backends_and_oversized_buckets(monkeypatch):
-    import graphchunk.engine.worker as worker
-
-    config = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_batched_tokens=48),
-                             model_config=SimpleNamespace(enforce_eager=False))
-    standalone = parse_grid({**GRID, "backend": "cuda_graph"}, "standalone.toml")
-    with pytest.raises(ConfigError, match="uses backend 'cuda_graph'; inside vLLM use 'vllm'"):
-        check_grid(config, standalone)
+def test_runner_refuses_oversized_buckets():
+    config = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_batched_tokens=48))
     with pytest.raises(ConfigError, match=r"\['b2-c2x128-s96-q32'.*max_num_batched_tokens=48"):
         check_grid(config, GRID_BUCKETS)
     config.scheduler_config.max_num_batched_tokens = 64
-    check_grid(config, GRID_BUCKETS)  # with vLLM's compilation on (no --enforce-eager), on CPU
-    monkeypatch.setattr(worker, "platform_kind", lambda: "cuda")
-    with pytest.raises(ConfigError, match="would nest inside vLLM's graphs; use backend 'vllm'"):
-        check_grid(config, GRID_BUCKETS)
-    check_grid(config, parse_grid({**GRID, "backend": "vllm"}, "cuda.toml"))
-    config.model_config.enforce_eager = True
     check_grid(config, GRID_BUCKETS)
 
 
-@pytest.mark.parametrize("platform", ["cuda", "npu"])
-def test_eager_templates_are_refused_under_vllms_graphs(monkeypatch, platform):
-    """Backend 'eager' pads a template step to its bucket's token count in vLLM's batch descriptor
-    (runner_templates); under vLLM's CUDA/ACL graphs that descriptor was never captured."""
-    import graphchunk.engine.worker as worker
-
-    config = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_batched_tokens=64),
-                             model_config=SimpleNamespace(enforce_eager=False))
-    eager = parse_grid({**GRID, "backend": "eager"}, "eager.toml")
-    check_grid(config, eager)  # CPU: vLLM's one compiled graph takes any token count
-    monkeypatch.setattr(worker, "platform_kind", lambda: platform)
-    with pytest.raises(ConfigError, match=f"uses backend 'eager'.*never captured; use backend 'vllm' there.*"
-                                          f"--enforce-eager"):
-        check_grid(config, eager)
-    config.model_config.enforce_eager = True  # no graphs in vLLM: the descriptor dispatches nothing
-    check_grid(config, eager)
-
-
-# --- backends -----------------------------------------------------------------------------------
-
-WEIGHT = torch.randn(8, 8, generator=torch.Generator().manual_seed(0))
-
-
-def toy_forward(x, scale):
-    return torch.tanh(x @ WEIGHT) * scale + x.sum(0)
-
-
-def toy_inputs(n, seed):
-    gen = torch.Generator().manual_seed(seed)
-    return dict(x=torch.randn(n, 8, generator=gen), scale=torch.rand(n, 1, generator=gen))
-
-
-@pytest.mark.parametrize("backend", ["eager", "compile"])
-def test_replay_computes_new_inputs_like_eager(backend):
-    impl = make_backend(backend, max_templates=4)
-    template = impl.capture(toy_forward, toy_inputs(4, 0))
-    for seed in (1, 2):
-        inputs = toy_inputs(4, seed)
-        torch.testing.assert_close(template.replay(**inputs), toy_forward(**inputs), rtol=1e-5, atol=1e-6)
-
-
-def test_compiled_replay_never_recompiles():
-    template = make_backend("compile", max_templates=4).capture(toy_forward, toy_inputs(4, 0))
-    with pytest.raises(ReplayMiss, match="Detected recompile"):
-        template.replay(**toy_inputs(5, 1))
-
-
-def test_replay_miss_runs_eager_and_says_so():
-    templates = GraphTemplates(parse_grid({**GRID, "backend": "compile"}, "test"), CacheMetrics())
-    bucket = Bucket(1, 2, 128, 96, 16)
-    templates.templates[bucket] = templates.backend.capture(toy_forward, toy_inputs(16, 0))
-    inputs = toy_inputs(16, 1)
-    output, replayed = templates.replay(bucket, toy_forward, **inputs)
-    torch.testing.assert_close(output, toy_forward(**inputs))
-    assert replayed
-    odd = toy_inputs(7, 2)  # not the captured shape: nothing runs in the template, eager does
-    output, replayed = templates.replay(bucket, toy_forward, **odd)
-    assert torch.equal(output, toy_forward(**odd)) and not replayed
-
+# --- counting how steps ran ---------------------------------------------------------------------
 
 def test_outcomes_are_counted_per_bucket_and_in_the_manifest():
     metrics = CacheMetrics()
-    templates = GraphTemplates(parse_grid({**GRID, "backend": "vllm"}, "test"), metrics)
-    assert not templates.captures and templates.backend is None
-    bucket = templates.choose([shape([5], 5)])
+    counts = BucketCounts(GRID_BUCKETS, metrics)
+    bucket = counts.choose([shape([5], 5)])
     for outcome in ("replayed", "padded", "padded", "eager"):
-        templates.count(outcome, bucket)
-    templates.count("eager", None)
+        counts.count(outcome, bucket)
+    counts.count("eager", None)
     assert (metrics.graph_replays, metrics.graph_padded, metrics.graph_eager) == (1, 2, 2)
-    manifest = templates.manifest({"cudagraph_mode": "FULL"})
-    assert manifest["captured_by"] == "vllm" and manifest["vllm_graphs"] == {"cudagraph_mode": "FULL"}
+    manifest = counts.manifest({"cudagraph_mode": "FULL"})
+    assert set(manifest) == {"grid", "backend", "vllm_graphs", "buckets", "outside_buckets"}
+    assert (manifest["grid"], manifest["backend"]) == ("test", "vllm")
+    assert manifest["vllm_graphs"] == {"cudagraph_mode": "FULL"}
     rows = {row["bucket"]: row for row in manifest["buckets"]}
-    assert len(rows) == len(templates.grid.buckets)
-    assert {k: rows[bucket.name][k] for k in ("replayed", "padded", "eager")} == {"replayed": 1, "padded": 2,
-                                                                                   "eager": 1}
+    assert len(rows) == len(counts.grid.buckets)
+    assert rows[bucket.name] == {"bucket": bucket.name, "replayed": 1, "padded": 2, "eager": 1}
+    assert all(row == {"bucket": name, **dict.fromkeys(OUTCOMES, 0)} for name, row in rows.items()
+               if name != bucket.name)
     assert manifest["outside_buckets"] == {"replayed": 0, "padded": 0, "eager": 1}
 
 
-def test_capture_failure_names_the_bucket():
-    from contextlib import nullcontext
-
-    templates = GraphTemplates(parse_grid({**GRID, "backend": "eager"}, "test"), CacheMetrics())
-
-    def forward(x, scale):
-        if x.shape[0] == 64:
-            raise RuntimeError("out of graph memory")
-        return toy_forward(x, scale)
-
-    with pytest.raises(TemplateCaptureError, match=r"b2-c2x128-s96-q32 \(eager, 64 tokens\).*out of graph memory"):
-        templates.capture_all(forward, lambda b: toy_inputs(b.num_tokens, 0), lambda b: nullcontext(),
-                              torch.device("cpu"), progress=False)
-    assert templates.metrics.graph_captures == 12  # the 12 buckets of 16 and 32 tokens came first
-
-
 def test_choose_takes_the_smallest_bucket_and_none_for_mixed_steps():
-    templates = GraphTemplates(parse_grid({**GRID, "backend": "eager"}, "test"), CacheMetrics())
-    assert templates.choose([shape([5], 5)]) == Bucket(1, 2, 128, 96, 16)
-    assert templates.choose(None) is None
-
-
-def test_checked_grids_wrap_the_backend():
-    from graphchunk.graphs.graph_safety import CheckedBackend
-
-    templates = GraphTemplates(parse_grid({**GRID, "checked": True}, "test"), CacheMetrics())
-    assert isinstance(templates.backend, CheckedBackend) and templates.backend.inner.name == "compile"
-
-
-def test_device_graph_backends_say_what_they_need(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(RuntimeError, match="'cuda_graph' needs a CUDA device"):
-        make_backend("cuda_graph", 1)
-    monkeypatch.setitem(sys.modules, "torch_npu", None)  # an import of it raises ImportError
-    with pytest.raises(ImportError, match=r"torch-npu \(pip install 'graphchunk\[ascend\]'\)"):
-        make_backend("npu_graph", 1)
+    counts = BucketCounts(GRID_BUCKETS, CacheMetrics())
+    assert counts.choose([shape([5], 5)]) == Bucket(1, 2, 128, 96, 16)
+    assert counts.choose([shape([5], 33)]) is None
+    assert counts.choose(None) is None
 
 
 def test_axes_are_the_bucket_fields():

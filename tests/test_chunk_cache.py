@@ -24,7 +24,7 @@ class FakeDevice:
     def slot(self, block_ids, i):
         return block_ids[i // BS] * BS + i % BS
 
-    def forward(self, seqs):
+    def prefill(self, seqs):
         self.batches.append(seqs)
         for seq in seqs:
             tokens = tuple(seq.token_ids)

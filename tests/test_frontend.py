@@ -6,7 +6,8 @@ from vllm import SamplingParams
 
 from graphchunk.config import GraphChunkConfig
 from graphchunk.engine.frontend import (BOUNDARIES_ARG, MODE_ARG, RATIO_ARG, RECOMPUTE_ARG, SALT_ARG, TOKENS_ARG,
-                                        RequestAnnotator, is_graphchunk_worker, json_boolean_problem, layout_fingerprint)
+                                        RequestAnnotator, is_graphchunk_worker, json_boolean_problem, layout_fingerprint,
+                                        resolve_mode)
 from graphchunk.segments import SegmentationError
 
 
@@ -307,5 +308,5 @@ def test_worker_detection():
 def test_blend_requests_refused_for_a_model_whose_keys_cannot_move(tokenizer):
     ann = RequestAnnotator(GraphChunkConfig(), tokenizer, blend_refusal="dynamic NTK scaling changes ...")
     with pytest.raises(SegmentationError, match="blend mode is not available for this model: dynamic NTK"):
-        ann.resolve_mode({MODE_ARG: "blend"})
-    assert ann.resolve_mode({}) == ("isolated", None)
+        resolve_mode({MODE_ARG: "blend"}, ann.config, ann.blend_refusal)
+    assert resolve_mode({}, ann.config, ann.blend_refusal) == ("isolated", None)

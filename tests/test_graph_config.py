@@ -25,7 +25,6 @@ def engine_args(**kwargs):
     ("cuda", True, "vllm", None),        # no graphs at all
     ("npu", False, "vllm", None),        # vllm-ascend's default mode stays
     ("cpu", False, "vllm", None),        # one dynamic-shape compiled graph, no CUDA graphs
-    ("cuda", False, "compile", None),    # not a grid for vLLM's graphs
 ])
 def test_full_graphs_are_requested_on_cuda_only(platform, enforce_eager, backend, expected):
     from graphchunk.engine.graph_config import request_graph_mode
@@ -122,12 +121,10 @@ def test_the_cuda_start_up_path_on_cpu(monkeypatch, tmp_path):
     the grid is read before the config is built, FULL graphs are requested, and check_config
     accepts the built config (the CPU platform itself then keeps vLLM's CPU compilation)."""
     import graphchunk.engine.graph_config as graph_config
-    import graphchunk.engine.worker as worker
     from graphchunk.engine.plugin import register
 
     register()
     monkeypatch.setattr(graph_config, "platform_kind", lambda: "cuda")
-    monkeypatch.setattr(worker, "platform_kind", lambda: "cuda")
     grid = tmp_path / "cuda.toml"
     grid.write_text('backend = "vllm"\n[grid]\nbatch = [1]\nnum_chunks = [4]\nmax_chunk_len = [64]\n'
                     'max_sys_len = [32]\nquestion_tokens = [24]\n')
@@ -159,9 +156,8 @@ def test_the_cpu_grid_runs_question_steps_on_vllms_compiled_graph():
     with GraphChunkLLM(tiny, dtype="float32", max_model_len=1024, kv_cache_memory_bytes=1 << 27, block_size=32,
                        graphchunk={"pool_tokens": 4096, "templates": "cpu"}) as llm:
         manifest = llm.templates_manifest()
-        assert (manifest["backend"], manifest["captured_by"]) == ("vllm", "vllm")
+        assert manifest["backend"] == "vllm"
         assert manifest["vllm_graphs"]["compilation_mode"] == "DYNAMO_TRACE_ONCE"
-        assert llm.stats()["graph_captures"] == 0
         oracle = Oracle(tiny, dtype=torch.float32)
         counters = ("graph_replays", "graph_padded", "graph_eager")
         for chunks, question, expected in [(docs, "Which comes first?", None),          # misses: mixed step

@@ -63,7 +63,7 @@ def filled(layout, backend, dtype, seed: int):
 
 
 def copier_for(caches, backend, dtype) -> KVCopier:
-    """The runner's path (``runner_bind._probe_kv_layout``): probe on layer 0's real cache, verify
+    """The runner's path (``kv_binding.probe_kv_layout``): probe on layer 0's real cache, verify
     on its last slot, one copier over every layer."""
     write_kv = writer(backend, dtype)
     slot_map = KVSlotMap.probe(write_kv, caches[0], 0, BS, HEADS, DIM)

@@ -5,7 +5,8 @@ import torch
 from vllm import _custom_ops as ops
 from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-from graphchunk.cache.kv_slots import KVCopier, KVSlotMap, _runs
+from graphchunk.cache.kv_slots import KVCopier, KVSlotMap
+from graphchunk.device import consecutive_runs
 
 BS, HEADS, DIM, BLOCKS, LAYERS = 32, 3, 64, 8, 4
 
@@ -60,7 +61,10 @@ def test_copy_equals_writing_at_the_destination(dtype, shared, strided):
 def test_runs_split_at_breaks_and_block_edges():
     src = np.array([3, 4, 5, 6, 7, 20, 21])
     dst = np.array([10, 11, 12, 13, 14, 15, 16])
-    assert list(_runs(src, dst, 4)) == [(3, 10, 1), (4, 11, 1), (5, 12, 3), (20, 15, 1), (21, 16, 1)]
+    assert consecutive_runs(src, dst, block_size=4) == [(3, 10, 1), (4, 11, 1), (5, 12, 3), (20, 15, 1), (21, 16, 1)]
+    assert consecutive_runs(src[:0], dst[:0], block_size=4) == []
+    with pytest.raises(ValueError):
+        consecutive_runs(src, dst[:3])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -236,7 +236,7 @@ def test_step_scheduling_a_single_context_token(gc_llm, oracle, sources):
     2 = [160, 240), next to a fresh ordinary prompt of 2 * 256 - 1 tokens, which takes the first
     step's whole budget and 255 tokens of the second's. Token 224 must still come from the pool
     (it was computed by plain causal attention at its logical position before the fix in
-    ChunkRunnerMixin._plan_step, and this test failed: first-token logprobs off by 0.19).
+    the runner's step plan, now ``step_plan.plan_step``, and this test failed: first-token logprobs off by 0.19).
 
     The prompt is token ids with boundaries in ``extra_args`` (the ``vllm_xargs`` path); its sys is
     exactly two blocks (no partial sys block to copy) and chunk 1 ends on a block boundary."""

@@ -8,7 +8,6 @@ import pytest
 from pydoc_data.topics import topics
 
 from conftest import GC_LLM_TEMPLATES
-from graphchunk.graphs.buckets import load_grid
 from graphchunk.layout import Layout
 from graphchunk.segments import SeparatorSplitter
 from graphchunk.tools.serve_demo import SERVER_FLAGS, VllmServer
@@ -17,7 +16,7 @@ pytestmark = pytest.mark.slow
 
 MAX_MODEL_LEN = 2048
 GC = {"pool_tokens": 8192, "max_chunks": 8, "max_chunk_len": 512, "templates": str(GC_LLM_TEMPLATES)}
-"""With the test session's graph templates: the server captures them at start-up and replays them."""
+"""With the test session's grid: question steps counted by bucket and by how vLLM ran them."""
 MAX_TOKENS = 16
 STARTUP_TIMEOUT_S = 900  # ~40-80 s alone; much more when other engines share the 2 cores
 
@@ -110,13 +109,11 @@ def test_separators_in_text_match_oracle_and_reuse_hits(server, oracle, splitter
     assert after_reorder["graphchunk_hits_total"] - after_repeat["graphchunk_hits_total"] == len(DOCS)
     assert after_reorder["graphchunk_misses_total"] == after_repeat["graphchunk_misses_total"]
     assert after_reorder["graphchunk_tokens_reused_total"] > after_repeat["graphchunk_tokens_reused_total"]
-    # Its question step fits a bucket of the grid and replayed a template captured at start-up
-    # (padded to the bucket's token count unless the question fills it exactly).
-    assert after_reorder["graphchunk_graph_captures_total"] == len(load_grid(GC["templates"]).buckets)
-    ran_template = sum(after_reorder[f"graphchunk_graph_{kind}_total"] - after_repeat[f"graphchunk_graph_{kind}_total"]
-                       for kind in ("replays", "padded"))
-    assert ran_template >= 1
-    assert after_reorder["graphchunk_graph_eager_total"] == after_repeat["graphchunk_graph_eager_total"]
+    # Its question step is counted, by how vLLM ran it: this server runs --enforce-eager (SERVER_FLAGS),
+    # so without a graph (graphchunk captures none of its own).
+    counted = {kind: after_reorder[f"graphchunk_graph_{kind}_total"] - after_repeat[f"graphchunk_graph_{kind}_total"]
+               for kind in ("replays", "padded", "eager")}
+    assert counted["eager"] >= 1 and counted["replays"] == counted["padded"] == 0
 
 
 def test_token_ids_with_explicit_boundaries_match_oracle(server, oracle, tokenizer):

@@ -169,11 +169,11 @@ def test_store_path_is_checked_at_start_up(tmp_path):
 
 def test_the_cuda_worker_builds_the_chunk_runner_through_its_hook(monkeypatch):
     """vLLM's CUDA Worker builds its model runner in ``_make_model_runner`` (called from
-    ``init_device``): graphchunk's Runner builds the chunk-aware runner there, set up, with no
+    ``init_device``): graphchunk's worker builds the chunk-aware runner there, set up, with no
     class swap. CPUWorker builds its runner inline in ``init_device`` without calling the hook, so
-    its Runner keeps the swap after ``init_device`` (the engine tests run that path)."""
+    its worker keeps the swap after ``init_device`` (the engine tests run that path)."""
     import graphchunk.engine.worker as worker
-    from graphchunk.engine.model_runner import ChunkRunnerMixin
+    from graphchunk.engine.model_runner import ChunkModelRunner
     from graphchunk.metrics import METRICS_FILE_ENV
     from vllm.v1.worker import gpu_model_runner
     from vllm.v1.worker.cpu_worker import CPUWorker
@@ -184,16 +184,16 @@ def test_the_cuda_worker_builds_the_chunk_runner_through_its_hook(monkeypatch):
     monkeypatch.setattr(gpu_model_runner.GPUModelRunner, "__init__",
                         lambda self, config, device: built.append((config, device)))
     monkeypatch.setattr(worker, "platform_worker_class", lambda: Worker)
-    cuda_runner = worker.make_runner_class()
+    cuda_runner = worker.make_worker_class()
     cuda_worker = object.__new__(cuda_runner)  # the attributes Worker.init_device has set by then
     cuda_worker.vllm_config, cuda_worker.device, cuda_worker.use_v2_model_runner = "config", "cuda:0", False
-    cuda_worker.gc_config = GraphChunkConfig(pool_tokens=4096)
+    cuda_worker.graphchunk_config = GraphChunkConfig(pool_tokens=4096)
     runner = cuda_worker._make_model_runner()
-    assert isinstance(runner, gpu_model_runner.GPUModelRunner) and isinstance(runner, ChunkRunnerMixin)
+    assert isinstance(runner, gpu_model_runner.GPUModelRunner) and isinstance(runner, ChunkModelRunner)
     assert built == [("config", "cuda:0")]
-    assert runner.gc_config is cuda_worker.gc_config and runner.gc_cache is None  # graphchunk_setup ran
+    assert runner.graphchunk_config is cuda_worker.graphchunk_config and runner.chunk_engine is None  # set up
     assert issubclass(cuda_runner, Worker) and "init_device" not in vars(cuda_runner)  # no class swap
 
     monkeypatch.setattr(worker, "platform_worker_class", lambda: CPUWorker)
-    cpu_runner = worker.make_runner_class()
+    cpu_runner = worker.make_worker_class()
     assert "init_device" in vars(cpu_runner) and "_make_model_runner" not in vars(cpu_runner)

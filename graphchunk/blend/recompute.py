@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from graphchunk.device import PseudoSeq, slots_of, split_forward_batches
+from graphchunk.device import PseudoSeq, consecutive_runs, slots_of, split_forward_batches
 
 POLICIES = ("none", "cacheblend", "legolink")
 
@@ -71,17 +71,6 @@ def cacheblend_tokens(candidates: np.ndarray, deviation: np.ndarray, ratio: floa
     return np.sort(np.asarray(candidates, np.int64)[order])
 
 
-def runs(indices: np.ndarray) -> list[tuple[int, int]]:
-    """Sorted logical indices as maximal runs [a, b) of consecutive tokens."""
-    if len(indices) == 0:
-        return []
-    indices = np.asarray(indices, np.int64)
-    breaks = np.nonzero(np.diff(indices) != 1)[0] + 1
-    starts = np.concatenate([[0], breaks])
-    ends = np.concatenate([breaks, [len(indices)]])
-    return [(int(indices[s]), int(indices[e - 1]) + 1) for s, e in zip(starts, ends)]
-
-
 # --- the recompute step, over the device ------------------------------------------------------
 
 def recompute(prompts, device, *, check_layer: int, budget: int, block_size: int, metrics) -> None:
@@ -107,9 +96,9 @@ def recompute(prompts, device, *, check_layer: int, budget: int, block_size: int
             picks[n] = candidates
     if checked:
         picks.update(_check(prompts, checked, device, check_layer, budget, block_size, metrics))
-    seqs = [_seq(prompts[n], a, b) for n, chosen in picks.items() for a, b in runs(chosen)]
+    seqs = [_seq(prompts[n], a, a + length) for n, chosen in picks.items() for a, length in consecutive_runs(chosen)]
     for batch in split_forward_batches(seqs, budget):
-        device.forward(batch)
+        device.prefill(batch)
     metrics.blend_tokens_recomputed += sum(len(chosen) for chosen in picks.values())
 
 
@@ -121,7 +110,7 @@ def _check(prompts, checked, device, check_layer: int, budget: int, block_size: 
     reused = {n: device.read_keys(check_layer, slots[n]).float() for n, _ in checked}
     seqs = [_seq(prompts[n], int(c[0]), int(c[-1]) + 1) for n, c in checked]
     for batch in split_forward_batches(seqs, budget):
-        device.forward(batch, num_layers=check_layer + 1)
+        device.prefill(batch, num_layers=check_layer + 1)
     metrics.blend_tokens_checked += sum(len(c) for _, c in checked)
     picks = {}
     for n, candidates in checked:

@@ -228,12 +228,12 @@ class ChunkCache:
             for entry, data in group.loads:
                 device.write_blocks(entry.block_ids, data)
                 self.pool.mark_ready(entry)
-            self._forward(device, [self._sys_seq(e) for e in group.sys_misses])
+            self._prefill(device, [self._sys_seq(e) for e in group.sys_misses])
             for entry in group.sys_misses:
                 self.pool.mark_ready(entry)
             if group.partial_copies:
                 device.copy_blocks([s for s, _ in group.partial_copies], [d for _, d in group.partial_copies])
-            self._forward(device, [seq for _, seq in group.chunk_misses])
+            self._prefill(device, [seq for _, seq in group.chunk_misses])
             for entry, _ in group.chunk_misses:
                 self.pool.mark_ready(entry)
             for entry, mode in group.stores:
@@ -249,9 +249,9 @@ class ChunkCache:
     def _sys_seq(self, entry: PoolEntry) -> PseudoSeq:
         return PseudoSeq(entry.tokens, np.arange(len(entry.tokens)), entry.block_ids)
 
-    def _forward(self, device: KVDevice, seqs: list[PseudoSeq]) -> None:
+    def _prefill(self, device: KVDevice, seqs: list[PseudoSeq]) -> None:
         for batch in split_forward_batches(seqs, self.max_forward_tokens):
-            device.forward(batch)
+            device.prefill(batch)
             self.metrics.tokens_computed += sum(s.num_new for s in batch)
 
 

@@ -23,6 +23,8 @@ import math
 import numpy as np
 import torch
 
+from graphchunk.device import consecutive_runs
+
 
 class KVSlotMap:
     """Where every element of a slot lives, relative to a layer's first element."""
@@ -157,7 +159,7 @@ class KVCopier:
 
     def _copy_runs(self, src: np.ndarray, dst: np.ndarray, views: list[torch.Tensor]) -> None:
         bs = self.slot_map.block_size
-        for s, d, n in _runs(np.asarray(src, np.int64), np.asarray(dst, np.int64), bs):
+        for s, d, n in consecutive_runs(src, dst, block_size=bs):
             for view in views:
                 view[..., d // bs, d % bs:d % bs + n, :, :] = view[..., s // bs, s % bs:s % bs + n, :, :]
 
@@ -216,17 +218,6 @@ class KVCopier:
 def _block_offset(slots: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
     slots = np.asarray(slots, np.int64)
     return slots // block_size, slots % block_size
-
-
-def _runs(src: np.ndarray, dst: np.ndarray, block_size: int):
-    """(src start, dst start, length) of maximal runs consecutive on both sides within one block."""
-    if src.size == 0:
-        return []
-    breaks = np.nonzero((np.diff(src) != 1) | (np.diff(dst) != 1)
-                        | (src[1:] % block_size == 0) | (dst[1:] % block_size == 0))[0] + 1
-    starts = np.concatenate([[0], breaks])
-    lengths = np.diff(np.concatenate([starts, [src.size]]))
-    return zip(src[starts].tolist(), dst[starts].tolist(), lengths.tolist())
 
 
 def _uniform_layer_stride(caches: list[torch.Tensor]) -> int | None:

@@ -13,6 +13,13 @@ from graphchunk.cache.eviction import DEFAULT_POLICY, EvictionPolicy, make_polic
 from graphchunk.metrics import CacheMetrics
 
 
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division (blocks of ``b`` tokens holding ``a`` tokens), as vLLM's
+    ``vllm.utils.math_utils.cdiv``: importing that imports vllm, torch and inductor (seconds),
+    and the engine-independent core (this pool, ``config.py``) imports without vLLM."""
+    return -(a // -b)
+
+
 class PoolExhausted(RuntimeError):
     """Every pool block belongs to an entry in use: the step needs more than the budget."""
 
@@ -54,7 +61,7 @@ class ChunkPool:
         return len(self._free)
 
     def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return cdiv(num_tokens, self.block_size)
 
     def lookup(self, key: bytes, tokens: tuple[int, ...]) -> PoolEntry | None:
         """The ready or in-flight entry for ``key`` whose tokens match, acquired; else None."""

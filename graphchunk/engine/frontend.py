@@ -15,6 +15,7 @@ values to the worker (``MODE_ARG`` always; for blend also ``RECOMPUTE_ARG``, ``R
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 import numpy as np
 import xxhash
@@ -65,42 +66,6 @@ class RequestAnnotator:
                             max_chunk_len=self.config.max_chunk_len)
         return self.splitter.split(token_ids) if self.splitter else None
 
-    def resolve_mode(self, extra_args: dict) -> tuple[str, RecomputePolicy | None]:
-        """The request's mode and (blend) recompute policy, from its extra_args and the
-        deployment's defaults. Raises SegmentationError naming the argument on bad input."""
-        if MODE_ARG in extra_args:
-            mode = extra_args[MODE_ARG]
-            if not isinstance(mode, str) or mode not in MODES:
-                raise SegmentationError(f"{MODE_ARG} must be one of {MODES}, got {mode!r}")
-        else:
-            mode = self.config.mode
-        given = [key for key in POLICY_ARGS if key in extra_args]
-        if mode != "blend":
-            if given:
-                why = (f"{MODE_ARG} is {mode!r}" if MODE_ARG in extra_args
-                       else f"the deployment's default mode (graphchunk.mode) is {mode!r}")
-                raise SegmentationError(f"{', '.join(given)} only apply to blend mode, but {why}; "
-                                        f"send {MODE_ARG}: 'blend' with them")
-            return mode, None
-        if self.blend_refusal:
-            raise SegmentationError(f"blend mode is not available for this model: {self.blend_refusal}; "
-                                    f"send {MODE_ARG}: 'isolated'")
-        cfg = self.config
-        name = extra_args.get(RECOMPUTE_ARG, cfg.recompute)
-        ratio = extra_args.get(RATIO_ARG, cfg.recompute_ratio)
-        tokens = extra_args.get(TOKENS_ARG, cfg.recompute_tokens)
-        # One argument at a time, so that the error names the one that is wrong.
-        for key, alone in ((RECOMPUTE_ARG, {"name": name}), (RATIO_ARG, {"ratio": ratio}),
-                           (TOKENS_ARG, {"tokens": tokens})):
-            if key in extra_args:
-                try:
-                    RecomputePolicy(**alone)
-                except ValueError as exc:
-                    _, must, rest = str(exc).partition(" must ")
-                    raise SegmentationError(f"{key} must {rest}" if must else f"{key}: {exc}") from None
-        # ratio as a float: 1 and 1.0 are one policy (one describe(), one cache_salt).
-        return mode, RecomputePolicy(name, float(ratio), tokens)
-
     def annotate(self, request) -> None:
         """Adds the segmentation to an EngineCoreRequest (in place), or leaves it ordinary."""
         params = request.sampling_params
@@ -108,7 +73,7 @@ class RequestAnnotator:
             return
         args = dict(params.extra_args or {})
         args.pop(SALT_ARG, None)
-        mode, policy = self.resolve_mode(args)
+        mode, policy = resolve_mode(args, self.config, self.blend_refusal)
         seg = self.segment(request.prompt_token_ids, args)
         if seg is None or seg.layout.num_chunks == 0:
             for key in (BOUNDARIES_ARG, *MODE_ARGS):  # no chunks: exactly an ordinary causal prompt
@@ -131,6 +96,68 @@ class RequestAnnotator:
             fingerprint = blend_fingerprint(seg, policy)
         params.extra_args = args
         request.cache_salt = f"{request.cache_salt or ''}|graphchunk:{fingerprint}"
+
+
+def resolve_mode(extra_args: dict, config: GraphChunkConfig,
+                 blend_refusal: str | None = None) -> tuple[str, RecomputePolicy | None]:
+    """A request's mode and (blend) recompute policy, from its extra_args and the deployment's
+    defaults (``config``). Raises SegmentationError naming the argument on bad input. The API
+    process resolves every request with it and sends the resolved values; the worker reads them
+    back with it (``chunk_request``)."""
+    if MODE_ARG in extra_args:
+        mode = extra_args[MODE_ARG]
+        if not isinstance(mode, str) or mode not in MODES:
+            raise SegmentationError(f"{MODE_ARG} must be one of {MODES}, got {mode!r}")
+    else:
+        mode = config.mode
+    given = [key for key in POLICY_ARGS if key in extra_args]
+    if mode != "blend":
+        if given:
+            why = (f"{MODE_ARG} is {mode!r}" if MODE_ARG in extra_args
+                   else f"the deployment's default mode (graphchunk.mode) is {mode!r}")
+            raise SegmentationError(f"{', '.join(given)} only apply to blend mode, but {why}; "
+                                    f"send {MODE_ARG}: 'blend' with them")
+        return mode, None
+    if blend_refusal:
+        raise SegmentationError(f"blend mode is not available for this model: {blend_refusal}; "
+                                f"send {MODE_ARG}: 'isolated'")
+    default = config.policy
+    name = extra_args.get(RECOMPUTE_ARG, default.name)
+    ratio = extra_args.get(RATIO_ARG, default.ratio)
+    tokens = extra_args.get(TOKENS_ARG, default.tokens)
+    # One argument at a time, so that the error names the one that is wrong.
+    for key, alone in ((RECOMPUTE_ARG, {"name": name}), (RATIO_ARG, {"ratio": ratio}),
+                       (TOKENS_ARG, {"tokens": tokens})):
+        if key in extra_args:
+            try:
+                RecomputePolicy(**alone)
+            except ValueError as exc:
+                _, must, rest = str(exc).partition(" must ")
+                raise SegmentationError(f"{key} must {rest}" if must else f"{key}: {exc}") from None
+    # ratio as a float: 1 and 1.0 are one policy (one describe(), one cache_salt).
+    return mode, RecomputePolicy(name, float(ratio), tokens)
+
+
+@dataclass(frozen=True)
+class ChunkRequest:
+    """A segmented request as the worker holds it: what ``annotate`` sent, read back."""
+    seg: SegmentedPrompt
+    salt: str | None
+    policy: RecomputePolicy | None
+    """Blend's recompute policy; None: isolated mode."""
+
+
+def chunk_request(token_ids: list[int], extra_args: dict, config: GraphChunkConfig) -> ChunkRequest | None:
+    """In the worker: the segmented request ``annotate`` made of this one, or None for an
+    ordinary prompt (no boundaries sent, or no chunks)."""
+    boundaries = extra_args.get(BOUNDARIES_ARG)
+    if boundaries is None:
+        return None
+    seg = split_at(token_ids, boundaries, max_chunks=config.max_chunks, max_chunk_len=config.max_chunk_len)
+    if not seg.layout.num_chunks:
+        return None
+    _, policy = resolve_mode(extra_args, config)
+    return ChunkRequest(seg, extra_args.get(SALT_ARG), policy)
 
 
 def kv_salt(request) -> str | None:

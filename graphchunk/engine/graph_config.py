@@ -1,7 +1,7 @@
-"""How a template grid drives vLLM's own graph machinery, set where the engine's config is built.
+"""How a bucket grid drives vLLM's own graph machinery, set where the engine's config is built.
 
-Grid backend ``vllm`` (``graph_templates/h100.toml``, ``ascend-910b.toml``): graphchunk captures
-nothing itself. The grid's token counts (``batch * question_tokens``) become capture sizes of
+Every grid (``graph_templates/h100.toml``, ``ascend-910b.toml``, ``cpu.toml``) has backend
+``vllm``: graphchunk captures nothing itself. The grid's token counts (``batch * question_tokens``) become capture sizes of
 vLLM's graphs, so a question-only step that a bucket holds lands on a captured graph; vLLM's
 ``CudagraphDispatcher`` pads it to the next capture size, and decode keeps vLLM's own graphs.
 
@@ -51,7 +51,7 @@ def platform_kind() -> str:
 
 def request_graph_mode(engine_args, grid: BucketGrid, platform: str) -> None:
     """Before the config is built: FULL CUDA graphs on CUDA unless the user chose a mode (or eager)."""
-    if grid.backend != "vllm" or platform != "cuda" or engine_args.enforce_eager:
+    if platform != "cuda" or engine_args.enforce_eager:
         return
     compilation = engine_args.compilation_config
     if isinstance(compilation, dict):
@@ -73,8 +73,7 @@ def add_capture_sizes(vllm_config, grid: BucketGrid, platform: str) -> list[int]
     from vllm.config import CUDAGraphMode
 
     compilation = vllm_config.compilation_config
-    if (grid.backend != "vllm" or platform == "cpu" or vllm_config.model_config.enforce_eager
-            or compilation.cudagraph_mode == CUDAGraphMode.NONE):
+    if platform == "cpu" or vllm_config.model_config.enforce_eager or compilation.cudagraph_mode == CUDAGraphMode.NONE:
         return []
     sizes = set(compilation.cudagraph_capture_sizes or [])
     ceiling = compilation.max_cudagraph_capture_size or 0
@@ -83,10 +82,10 @@ def add_capture_sizes(vllm_config, grid: BucketGrid, platform: str) -> list[int]
     above = sorted(n for n in wanted if n > ceiling)
     if added:
         compilation.cudagraph_capture_sizes = sorted(sizes | set(added))
-        logger.info("graphchunk: graph template sizes %s added to vLLM's cudagraph_capture_sizes (%s)",
+        logger.info("graphchunk: grid token counts %s added to vLLM's cudagraph_capture_sizes (%s)",
                     added, grid.source)
     if above:
-        logger.info("graphchunk: graph template sizes %s are above vLLM's max_cudagraph_capture_size=%d and are "
+        logger.info("graphchunk: grid token counts %s are above vLLM's max_cudagraph_capture_size=%d and are "
                     "not captured (%s); raise it with -cc '{\"max_cudagraph_capture_size\": N}' to capture them",
                     above, ceiling, grid.source)
     return added

@@ -186,8 +186,8 @@ def _annotator(processor):
         config = processor.vllm_config
         annotator = False
         if is_graphchunk_worker(config.parallel_config.worker_cls):
-            gc_config = GraphChunkConfig.from_additional_config(config.additional_config)
-            annotator = RequestAnnotator(gc_config, processor.get_tokenizer(),
+            settings = GraphChunkConfig.from_additional_config(config.additional_config)
+            annotator = RequestAnnotator(settings, processor.get_tokenizer(),
                                          hf_rope_refusal(config.model_config.hf_config))
         setattr(processor, _ANNOTATOR, annotator)
     return annotator or None

@@ -1,6 +1,9 @@
-"""``graphchunk.Runner``: the platform's vLLM worker with the chunk-aware model runner.
+"""``graphchunk.Worker``: the platform's vLLM worker with the chunk-aware model runner.
 
     vllm serve MODEL --worker-cls graphchunk.Runner --additional-config '{"graphchunk": {...}}'
+
+``graphchunk.Runner`` is the name deployments pass to ``--worker-cls`` (kept: it has always been
+documented so); it is this worker class, ``graphchunk.Worker``, under a second name.
 
 The worker class is chosen from the running platform: CPUWorker on CPU, the CUDA Worker on
 NVIDIA, vllm-ascend's NPUWorker on Ascend (written against vllm-ascend's API, import-guarded
@@ -15,7 +18,7 @@ import logging
 from graphchunk.blend.rope import hf_rope_refusal
 from graphchunk.cache.store import prepare_directory, weights_digest
 from graphchunk.config import ConfigError, GraphChunkConfig
-from graphchunk.engine.graph_config import platform_kind, vllm_graphs
+from graphchunk.engine.graph_config import vllm_graphs
 from graphchunk.engine.model_runner import chunk_runner_class
 from graphchunk.graphs.buckets import BucketGrid, load_grid
 
@@ -81,8 +84,10 @@ def check_config(vllm_config, config: GraphChunkConfig) -> None:
         prepare_directory(config.store_path)
         weights_digest(vllm_config.model_config.model, vllm_config.model_config.revision)
     block_size = vllm_config.cache_config.block_size
+    from vllm.utils.math_utils import cdiv
+
     # One unit of chunk work holds a sys prompt (up to max_model_len) and one chunk.
-    needed = -(-vllm_config.model_config.max_model_len // block_size) + 1 + -(-config.max_chunk_len // block_size)
+    needed = cdiv(vllm_config.model_config.max_model_len, block_size) + 1 + cdiv(config.max_chunk_len, block_size)
     if config.pool_blocks(block_size) < needed:
         raise ConfigError(f"graphchunk.pool_tokens={config.pool_tokens} is too small: the pool must hold a sys "
                           f"prompt of max_model_len tokens plus one chunk of max_chunk_len tokens, "
@@ -123,31 +128,8 @@ def check_pool_fits(vllm_config, config: GraphChunkConfig) -> None:
                           f"--kv-cache-memory-bytes is {kv_bytes}: raise it, or lower pool_tokens")
 
 
-RUNNER_BACKENDS = ("vllm", "compile", "eager")
-"""Backends a grid may name inside vLLM. ``vllm``: vLLM's own graphs at the grid's sizes
-(``graph_config.py``). ``compile`` / ``eager``: graphchunk's templates, captured without attention
-metadata (vLLM's attention stays an opaque op reading each step's metadata). Standalone device
-graphs (``cuda_graph``, ``npu_graph``) would bake capture-time metadata in; vLLM's graphs keep it
-in persistent buffers, so inside vLLM the grid names ``vllm`` instead."""
-
-
 def check_grid(vllm_config, grid: BucketGrid) -> None:
-    if grid.backend not in RUNNER_BACKENDS:
-        raise ConfigError(f"graphchunk.templates: {grid.source} uses backend {grid.backend!r}; inside vLLM "
-                          f"use 'vllm' (vLLM's own CUDA graphs / vllm-ascend's ACL graphs replay the buckets) "
-                          f"or graphchunk's {RUNNER_BACKENDS[1:]} templates")
-    on_device = platform_kind() != "cpu" and not vllm_config.model_config.enforce_eager
-    if grid.backend == "compile" and on_device:
-        raise ConfigError(f"graphchunk.templates: {grid.source} compiles templates itself, which on "
-                          f"{platform_kind()} would nest inside vLLM's graphs; use backend 'vllm' there "
-                          f"(graph_templates/h100.toml), or start with --enforce-eager")
-    if grid.backend == "eager" and on_device:
-        # The runner pads a template step to its bucket's token count in vLLM's batch descriptor
-        # (runner_templates._determine_batch_execution_and_padding); under vLLM's graph mode the
-        # CUDA/ACL graph wrapper then meets a descriptor it never captured.
-        raise ConfigError(f"graphchunk.templates: {grid.source} uses backend 'eager', which pads each template step "
-                          f"to its bucket's token count, a size vLLM's graphs on {platform_kind()} never captured; "
-                          f"use backend 'vllm' there (graph_templates/h100.toml), or start with --enforce-eager")
+    """Every bucket must fit one step: vLLM's graphs run it at ``batch * question_tokens`` tokens."""
     max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
     too_big = [b.name for b in grid.buckets if b.num_tokens > max_tokens]
     if too_big:
@@ -165,13 +147,16 @@ def builds_runner_by_hook(base: type) -> bool:
     return base is Worker
 
 
-def make_runner_class() -> type:
+def make_worker_class() -> type:
     base = platform_worker_class()
 
-    class Runner(base):
+    class Worker(base):
+        """The platform's worker whose model runner is chunk-aware; ``graphchunk_*`` methods are
+        its RPCs (``GraphChunkLLM`` calls them through ``collective_rpc``)."""
+
         def __init__(self, vllm_config, *args, **kwargs):
-            self.gc_config = GraphChunkConfig.from_additional_config(vllm_config.additional_config)
-            check_config(vllm_config, self.gc_config)
+            self.graphchunk_config = GraphChunkConfig.from_additional_config(vllm_config.additional_config)
+            check_config(vllm_config, self.graphchunk_config)
             super().__init__(vllm_config, *args, **kwargs)
 
         if builds_runner_by_hook(base):
@@ -179,7 +164,7 @@ def make_runner_class() -> type:
                 from vllm.v1.worker.gpu_model_runner import GPUModelRunner  # V1: check_config refuses V2
 
                 runner = chunk_runner_class(GPUModelRunner)(self.vllm_config, self.device)
-                runner.graphchunk_setup(self.gc_config)
+                runner.graphchunk_setup(self.graphchunk_config)
                 return runner
         else:
             def init_device(self):
@@ -189,7 +174,7 @@ def make_runner_class() -> type:
                 # afterwards (the subclass adds methods only, no state of its own before setup).
                 runner = self.model_runner
                 runner.__class__ = chunk_runner_class(type(runner))
-                runner.graphchunk_setup(self.gc_config)
+                runner.graphchunk_setup(self.graphchunk_config)
 
         def load_model(self, *args, **kwargs):
             super().load_model(*args, **kwargs)
@@ -200,33 +185,21 @@ def make_runner_class() -> type:
         def determine_available_memory(self) -> int:
             available = super().determine_available_memory()
             page_bytes = sum(spec.page_size_bytes for spec in self.model_runner.get_kv_cache_spec().values())
-            pool_bytes = self.model_runner.pool_num_blocks() * page_bytes
+            pool_bytes = self.graphchunk_config.pool_blocks(self.cache_config.block_size) * page_bytes
             if pool_bytes >= available:
-                raise ConfigError(f"graphchunk.pool_tokens={self.gc_config.pool_tokens} needs {pool_bytes} bytes "
-                                  f"of KV cache but only {available} are available")
+                raise ConfigError(f"graphchunk.pool_tokens={self.graphchunk_config.pool_tokens} needs {pool_bytes} "
+                                  f"bytes of KV cache but only {available} are available")
             return available - pool_bytes
 
-        def compile_or_warm_up_model(self):
-            times = super().compile_or_warm_up_model()
-            self.model_runner.graphchunk_capture_templates()
-            return times
-
         def graphchunk_templates_manifest(self) -> dict | None:
-            templates = self.model_runner.gc_templates
-            return templates.manifest(vllm_graphs(self.vllm_config)) if templates is not None else None
-
-        def graphchunk_use_templates(self, enabled: bool) -> bool:
-            templates = self.model_runner.gc_templates
-            if templates is None:
-                raise ConfigError("no graph templates: start the engine with graphchunk.templates set")
-            templates.enabled = enabled
-            return enabled
+            counts = self.model_runner.chunk_engine.counts
+            return counts.manifest(vllm_graphs(self.vllm_config)) if counts is not None else None
 
         def graphchunk_stats(self) -> dict[str, float]:
-            return self.model_runner.graphchunk_stats()
+            return self.model_runner.chunk_engine.stats()
 
         def graphchunk_reset_pool(self) -> int:
-            return self.model_runner.graphchunk_reset_pool()
+            return self.model_runner.chunk_engine.reset_pool()
 
-    Runner.__module__, Runner.__qualname__ = "graphchunk", "Runner"
-    return Runner
+    Worker.__module__, Worker.__qualname__ = "graphchunk", "Worker"
+    return Worker

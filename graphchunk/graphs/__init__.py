@@ -1,2 +1,2 @@
-"""Graph templates of the cached-chunk prefill: bucket grids, capture/replay backends, and the
-per-step choice and replay of a template."""
+"""Buckets of the cached-chunk prefill: grids, the bucket a step maps to, and counts of how each
+step ran on vLLM's graphs."""

@@ -1,10 +1,11 @@
-"""Bucket grids of graph templates (``graph_templates/*.toml``) and the choice of a bucket per step.
+"""Bucket grids (``graph_templates/*.toml``) and the choice of a bucket per step.
 
 A bucket is one static shape of the cached-chunk prefill: up to ``batch`` requests, each with up
 to ``num_chunks`` chunks of at most ``max_chunk_len`` tokens after a sys prompt of at most
-``max_sys_len`` tokens, computing at most ``question_tokens`` question tokens. A step runs on the
-smallest bucket that holds every request in it (fewest padded tokens, then least context); the
-template sees ``batch * question_tokens`` tokens, the padding masked out.
+``max_sys_len`` tokens, computing at most ``question_tokens`` question tokens. A step maps to the
+smallest bucket that holds every request in it (fewest padded tokens, then least context). The
+buckets' token counts (``batch * question_tokens``) are what vLLM's graphs capture
+(``engine/graph_config.py``): a grid's only backend is ``vllm``.
 """
 from __future__ import annotations
 
@@ -16,10 +17,8 @@ from pathlib import Path
 from graphchunk.config import ConfigError
 
 AXES = ("batch", "num_chunks", "max_chunk_len", "max_sys_len", "question_tokens")
-BACKENDS = ("vllm", "compile", "eager", "cuda_graph", "npu_graph")
-"""``vllm``: vLLM's own graphs replay the buckets (graphchunk captures nothing); ``compile`` /
-``eager``: graphchunk's templates; ``cuda_graph`` / ``npu_graph``: standalone device graphs
-(``perf/``), refused inside vLLM, whose graphs cover them (``engine/graph_config.py``)."""
+BACKEND = "vllm"
+"""The only backend: vLLM's own graphs replay the buckets; graphchunk captures nothing."""
 GRID_DIR = Path(__file__).resolve().parents[2] / "graph_templates"
 """The grids shipped with the source tree; ``load_grid`` also takes a path."""
 
@@ -34,7 +33,7 @@ class Bucket:
 
     @property
     def num_tokens(self) -> int:
-        """Tokens the template computes (its static shape)."""
+        """Tokens a step on this bucket's graph computes (its static shape)."""
         return self.batch * self.question_tokens
 
     @property
@@ -65,8 +64,6 @@ class BucketGrid:
     buckets: tuple[Bucket, ...]
     """Smallest first: fewest padded tokens, then least context."""
     source: str
-    checked: bool = False
-    """Test-only: every replay is first checked for graph safety (``graphs/graph_safety.py``)."""
 
     @property
     def token_counts(self) -> list[int]:
@@ -74,7 +71,7 @@ class BucketGrid:
         return sorted({b.num_tokens for b in self.buckets})
 
     def bucket_for(self, requests: list[RequestShape]) -> Bucket | None:
-        """The smallest bucket holding every request, or None (the step runs eager)."""
+        """The smallest bucket holding every request, or None (no bucket holds the step)."""
         return next((b for b in self.buckets if len(requests) <= b.batch and all(b.holds(r) for r in requests)),
                     None)
 
@@ -86,29 +83,30 @@ def load_grid(name_or_path: str) -> BucketGrid:
         path = GRID_DIR / f"{name_or_path}.toml"
     if not path.is_file():
         known = sorted(p.stem for p in GRID_DIR.glob("*.toml"))
-        raise ConfigError(f"graph template grid {name_or_path!r} not found (no file {path}); "
+        raise ConfigError(f"graphchunk.templates: grid {name_or_path!r} not found (no file {path}); "
                           f"shipped grids: {known}")
     try:
         raw = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"graph template grid {path}: {exc}") from exc
+        raise ConfigError(f"graphchunk.templates: grid {path}: {exc}") from exc
     return parse_grid(raw, str(path))
 
 
 def parse_grid(raw: dict, source: str) -> BucketGrid:
-    unknown = sorted(set(raw) - {"backend", "grid", "platform", "notes", "checked"})
+    if "checked" in raw:
+        raise ConfigError(f"{source}: key 'checked' was removed with graphchunk's own graph templates "
+                          f"(vLLM's graphs replay the buckets); delete it")
+    unknown = sorted(set(raw) - {"backend", "grid", "platform", "notes"})
     if unknown:
-        raise ConfigError(f"{source}: unknown key(s) {unknown}; known: backend, grid, platform, notes, checked")
-    backend = raw.get("backend")
+        raise ConfigError(f"{source}: unknown key(s) {unknown}; known: backend, grid, platform, notes")
+    backend = raw.get("backend", BACKEND)
     if backend == "torchair":
         raise ConfigError(f"{source}: backend 'torchair' is gone (vllm-ascend dropped torchair graph mode in "
                           f"v0.12.0rc1); use backend 'vllm' (vllm-ascend's ACL graphs)")
-    if backend not in BACKENDS:
-        raise ConfigError(f"{source}: backend must be one of {BACKENDS}, got {backend!r}")
-    checked = raw.get("checked", False)
-    if not isinstance(checked, bool) or (checked and backend not in ("compile", "eager")):
-        raise ConfigError(f"{source}: checked must be true or false, and true only with backend 'compile' or "
-                          f"'eager' (templates graphchunk captures), got {checked!r} with {backend!r}")
+    if backend != BACKEND:
+        raise ConfigError(f"{source}: backend {backend!r} is not supported: graphchunk's own graph templates "
+                          f"were removed and vLLM's graphs replay the buckets; use backend 'vllm' (or leave "
+                          f"the key out)")
     grid = raw.get("grid")
     if not isinstance(grid, dict) or sorted(grid) != sorted(AXES):
         raise ConfigError(f"{source}: [grid] must list exactly {AXES}, got {sorted(grid or {})}")
@@ -122,4 +120,4 @@ def parse_grid(raw: dict, source: str) -> BucketGrid:
         axes.append(sorted(set(values)))
     buckets = sorted((Bucket(*shape) for shape in itertools.product(*axes)),
                      key=lambda b: (b.num_tokens, b.max_context_len, b))
-    return BucketGrid(backend, tuple(buckets), source, checked)
+    return BucketGrid(backend, tuple(buckets), source)

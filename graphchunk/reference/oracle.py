@@ -13,18 +13,16 @@ Computations that share nothing with graphchunk's serving path except ``Layout``
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+import numpy as np
+import torch
+import transformers
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import transformers  # noqa: E402
-
-from graphchunk.layout import Layout  # noqa: E402
+from graphchunk.layout import Layout
+from graphchunk.reference.models import LOCAL
 
 # Per layer (keys, values), each [batch, kv_heads, tokens, head_dim].
 LayerKV = tuple[torch.Tensor, torch.Tensor]
@@ -41,7 +39,7 @@ class Oracle:
 
     def __init__(self, model_path: str | Path, dtype: torch.dtype = torch.float32):
         self.model = transformers.AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=dtype, attn_implementation="eager"
+            model_path, dtype=dtype, attn_implementation="eager", **LOCAL
         ).eval()
         self.dtype = dtype
         eos = self.model.generation_config.eos_token_id

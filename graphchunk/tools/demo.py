@@ -6,18 +6,15 @@ requests (the second reorders the documents) and the reference oracle's answer.
 from __future__ import annotations
 
 import argparse
-import os
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+import transformers
 
-import transformers  # noqa: E402
-
-from graphchunk.cache.keys import KeySpace, chunk_key  # noqa: E402
-from graphchunk.cache.pool import ChunkPool  # noqa: E402
-from graphchunk.config import GraphChunkConfig  # noqa: E402
-from graphchunk.reference import models  # noqa: E402
-from graphchunk.reference.oracle import Oracle  # noqa: E402
-from graphchunk.segments import SegmentedPrompt, SeparatorSplitter  # noqa: E402
+from graphchunk.cache.keys import KeySpace, chunk_key
+from graphchunk.cache.pool import ChunkPool
+from graphchunk.config import GraphChunkConfig
+from graphchunk.reference import models
+from graphchunk.reference.oracle import Oracle
+from graphchunk.segments import SegmentedPrompt, SeparatorSplitter
 
 SYS = "You answer questions using only the documents."
 DOCS = [
@@ -61,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     path = models.smollm2_path()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path, **models.LOCAL)
     cfg = GraphChunkConfig()
     splitter = SeparatorSplitter(tokenizer, cfg.separator, max_chunks=cfg.max_chunks, max_chunk_len=cfg.max_chunk_len)
     pool = ChunkPool(num_blocks=64, block_size=16)

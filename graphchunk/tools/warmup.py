@@ -1,15 +1,18 @@
-"""Captures every bucket of a graph-template grid for a model, ahead of traffic, and writes a manifest.
+"""Starts the engine on a grid ahead of traffic, so vLLM compiles its model and captures its graphs
+at the grid's sizes, and writes a manifest.
 
     graphchunk-warmup --templates cpu [--model PATH] [--manifest templates-manifest.json]
     python -m graphchunk.tools.warmup --templates graph_templates/cpu.toml --dtype float32
 
 It starts the engine the server would start (``GraphChunkLLM`` with ``graphchunk.templates``, vLLM's
-own compilation and graphs on unless ``--enforce-eager``), which captures with a progress bar,
-then prints what was captured and writes it as JSON: per bucket, graphchunk's capture time and
-memory (backends ``compile``, ``eager``), and the graphs vLLM captured itself (compilation mode,
-cudagraph mode and capture sizes, which with backend ``vllm`` include the grid's token counts).
-On CPU the compiled kernels land in torch inductor's on-disk cache (vLLM's own graph in its
-``torch_compile_cache``), so a server started later with the same grid, model and dtype loads them.
+own compilation and graphs on unless ``--enforce-eager``): vLLM compiles its model and, on CUDA or
+Ascend, captures its graphs at its capture sizes, which include the grid's token counts
+(``engine/graph_config.py``). graphchunk captures nothing. It prints what vLLM's graphs run with
+(compilation mode, cudagraph mode, capture sizes) and which grid token counts are among the capture
+sizes, and writes the manifest as JSON (``GraphChunkLLM.templates_manifest()``: the grid, vLLM's
+graphs, per bucket the steps counted so far) with the model, dtype and machine. The compiled
+kernels land in vLLM's ``torch_compile_cache`` and torch inductor's on-disk cache, so a server
+started later with the same model and dtype loads them.
 """
 from __future__ import annotations
 
@@ -48,7 +51,7 @@ def main(argv=None) -> int:
         print(f"graphchunk-warmup: error: {exc}", file=sys.stderr)
         return 2
     model = args.model or str(models.smollm2_path())
-    print(f"graphchunk-warmup: {len(grid.buckets)} buckets of {grid.source} ({grid.backend}) for {model}",
+    print(f"graphchunk-warmup: {len(grid.buckets)} buckets of {grid.source} for {model}",
           file=sys.stderr, flush=True)
     started = time.perf_counter()
     with GraphChunkLLM(model, dtype=args.dtype, max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
@@ -61,25 +64,12 @@ def main(argv=None) -> int:
                     wall_seconds=time.perf_counter() - started, created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
     args.manifest.write_text(json.dumps(manifest, indent=1))
     vllm = manifest["vllm_graphs"]
+    sizes = vllm["cudagraph_capture_sizes"]
     print(f"vLLM: compilation {vllm['compilation_mode']}, cudagraph mode {vllm['cudagraph_mode']}, "
-          f"capture sizes {vllm['cudagraph_capture_sizes'] or 'none'}")
-    if manifest["captured_by"] == "vllm":
-        sizes = sorted({row_tokens(row["bucket"]) for row in manifest["buckets"]})
-        print(f"{len(manifest['buckets'])} buckets of {len(sizes)} token counts {sizes} run on vLLM's graphs; "
-              f"graphchunk captured nothing; wrote {args.manifest}")
-        return 0
-    print(f"{'bucket':<28} {'tokens':>6} {'capture s':>9} {'memory MiB':>10}")
-    for row in manifest["buckets"]:
-        print(f"{row['bucket']:<28} {row['num_tokens']:>6} {row['seconds']:>9.2f} {row['memory_bytes'] / 2**20:>10.1f}")
-    total = sum(row["seconds"] for row in manifest["buckets"])
-    print(f"captured {len(manifest['buckets'])} templates in {total:.1f} s; wrote {args.manifest}")
+          f"capture sizes {sizes or 'none'}")
+    print(f"{len(grid.buckets)} buckets, token counts {grid.token_counts}; among vLLM's capture sizes: "
+          f"{[n for n in grid.token_counts if n in sizes] or 'none'}; wrote {args.manifest}")
     return 0
-
-
-def row_tokens(bucket_name: str) -> int:
-    """``b2-c8x384-s96-q32`` -> 64 (batch * question tokens)."""
-    parts = bucket_name.split("-")
-    return int(parts[0][1:]) * int(parts[-1][1:])
 
 
 if __name__ == "__main__":

@@ -1,0 +1,133 @@
+"""Binding graphchunk into vLLM's KV cache at start-up: builds the runner's ``ChunkEngine``.
+
+``grown_kv_cache_config`` grows vLLM's KV cache by the pool's blocks, past the scheduler's
+``num_blocks``, so vLLM never hands them to a request. Once vLLM allocated it, ``bind_engine``
+probes the attention backend's block layout, and builds the pool, the persistent tier
+(``store_path``), blend's key rotation and the engine holding them. Anything the loaded model or
+layout cannot support is refused here, at start-up.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+import torch
+import xxhash
+
+from graphchunk.cache.chunk_cache import ChunkCache
+from graphchunk.cache.host_tier import HostTier
+from graphchunk.cache.keys import KeySpace
+from graphchunk.cache.kv_slots import KVCopier, KVSlotMap
+from graphchunk.cache.pool import ChunkPool
+from graphchunk.cache.store import ChunkStore, StoreIdentity, weights_digest
+from graphchunk.config import ConfigError, GraphChunkConfig
+from graphchunk.engine.blend_support import BlendSupport
+from graphchunk.engine.chunk_engine import ChunkEngine
+from graphchunk.engine.runner_kv import RunnerKV
+from graphchunk.graphs.bucket_counts import BucketCounts
+from graphchunk.graphs.buckets import load_grid
+from graphchunk.metrics import METRICS_FILE_ENV, CacheMetrics, MetricsPublisher
+
+logger = logging.getLogger("graphchunk")
+
+
+def grown_kv_cache_config(vllm_config, kv_cache_config, extra: int):
+    """The same KV cache config with ``extra`` blocks per layer past the scheduler's ``num_blocks``."""
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
+
+    cache_config = vllm_config.cache_config
+    saved = cache_config.num_gpu_blocks_override
+    cache_config.num_gpu_blocks_override = kv_cache_config.num_blocks + extra
+    try:
+        grown = get_kv_cache_config_from_groups(vllm_config, kv_cache_config.kv_cache_groups, 0)
+    finally:
+        cache_config.num_gpu_blocks_override = saved
+    return dataclasses.replace(grown, kv_cache_layout=kv_cache_config.kv_cache_layout,
+                               hash_block_size=kv_cache_config.hash_block_size,
+                               cache_hit_alignment_tokens=kv_cache_config.cache_hit_alignment_tokens)
+
+
+def bind_engine(runner, config: GraphChunkConfig, first_pool_block: int) -> ChunkEngine:
+    """The engine over ``runner``'s allocated KV cache, whose blocks from ``first_pool_block`` on are the pool's."""
+    groups = runner.kv_cache_config.kv_cache_groups
+    if len(groups) != 1 or any(g.kernel_block_size for g in runner.attn_groups[0]):
+        raise ConfigError("graphchunk supports models whose layers share one full-attention KV cache group")
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    # In model order, so that the copier's layer i (CacheBlend's check layer) is decoder layer i.
+    layer_names = sorted(groups[0].layer_names, key=extract_layer_index)
+    forward_context = runner.compilation_config.static_forward_context
+    layers = [forward_context[name] for name in layer_names]
+    num_blocks = runner.kv_cache_config.num_blocks
+    block_dim = list(layers[0].kv_cache.shape).index(num_blocks)
+    slot_map = probe_kv_layout(layers[0], groups[0].kv_cache_spec, block_dim, num_blocks)
+    copier = KVCopier([layer.kv_cache for layer in layers], slot_map, num_blocks, block_dim)
+    metrics = CacheMetrics()
+    block_size = runner.cache_config.block_size
+    pool = ChunkPool(config.pool_blocks(block_size), block_size, first_pool_block, metrics, policy=config.eviction)
+    tier = _tier(runner, config, layers, copier, slot_map, metrics) if config.store_path else None
+    model = runner.model_config
+    # With a tier, keys name the weights (shared with other servers), else the model's path.
+    space = KeySpace(model=tier.identity.weights_digest if tier else f"{model.model}@{model.revision or ''}",
+                     dtype=str(model.dtype), parallel_layout=_parallel_layout(runner.parallel_config))
+    cache = ChunkCache(pool, space, runner.scheduler_config.max_num_batched_tokens, check_layer=config.check_layer,
+                       tier=tier)
+    blend = BlendSupport.of(runner.model, model.max_model_len, config)
+    counts = BucketCounts(load_grid(config.templates), metrics) if config.templates else None
+    path = os.environ.get(METRICS_FILE_ENV)
+    logger.info("graphchunk: chunk pool of %d blocks (%d tokens) at block ids [%d, %d)", pool.num_blocks,
+                pool.num_blocks * block_size, first_pool_block, first_pool_block + pool.num_blocks)
+    return ChunkEngine(config, metrics, cache, RunnerKV(runner, copier, blend), blend, counts,
+                       MetricsPublisher(path) if path else None)
+
+
+def probe_kv_layout(layer, spec, block_dim: int, num_blocks: int) -> KVSlotMap:
+    """The backend's placement of a slot's K/V in the real cache: probed through its own write op
+    on a scratch with the real cache's strides (vLLM's resolved ``KVCacheLayout``), then checked
+    on the real cache's last pool slot (past the scheduler's ``num_blocks``), unused at start-up."""
+    def write_kv(key, value, cache, slot_mapping):
+        layer.impl.do_kv_cache_update(layer, key, value, cache, slot_mapping)
+
+    slot_map = KVSlotMap.probe(write_kv, layer.kv_cache, block_dim, spec.block_size, spec.num_kv_heads,
+                               spec.head_size)
+    slot_map.verify(write_kv, layer.kv_cache, num_blocks * spec.block_size - 1)
+    return slot_map
+
+
+def _tier(runner, config: GraphChunkConfig, layers, copier: KVCopier, slot_map: KVSlotMap,
+          metrics: CacheMetrics) -> ChunkStore:
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    model, layer = runner.model_config, layers[0]
+    in_block = xxhash.xxh3_64_hexdigest(slot_map.coords.numpy().tobytes())
+    identity = StoreIdentity(
+        model_path=model.model, weights_digest=weights_digest(model.model, model.revision),
+        kv_dtype=str(layer.kv_cache.dtype), block_size=runner.cache_config.block_size,
+        kv_layout=f"{type(layer.impl).__name__} block {copier.block_shape} in-block {in_block}",
+        parallel=f"{_parallel_layout(runner.parallel_config)} rank {get_tensor_model_parallel_rank()}")
+    host = HostTier(config.host_bytes, metrics, pin=runner.device.type == "cuda") if config.host_bytes else None
+    tier = ChunkStore(config.store_path, config.store_bytes, identity, len(layers), copier.block_shape, metrics,
+                      all_ranks=_tp_all_ranks(), host=host)
+    logger.info("graphchunk: persistent chunk tier at %s (%.1f of %.1f GiB used)", tier.root,
+                metrics.tier_bytes / 2**30, tier.budget / 2**30)
+    return tier
+
+
+def _tp_all_ranks():
+    """With tensor parallelism, ``found -> every rank found`` over the TP group's CPU group."""
+    from vllm.distributed import get_tensor_model_parallel_world_size, get_tp_group
+
+    if get_tensor_model_parallel_world_size() == 1:
+        return None
+    group = get_tp_group().cpu_group
+
+    def all_ranks(found: bool) -> bool:
+        flag = torch.tensor([int(found)], dtype=torch.int32)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=group)
+        return bool(flag.item())
+    return all_ranks
+
+
+def _parallel_layout(parallel_config) -> str:
+    return f"tp{parallel_config.tensor_parallel_size}-pp{parallel_config.pipeline_parallel_size}"

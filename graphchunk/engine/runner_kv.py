@@ -1,0 +1,100 @@
+"""``RunnerKV``: the plans' ``KVDevice`` (``device.py``) over vLLM's model runner and its KV cache.
+
+Prefill of pseudo-sequences (misses prefilled into pool blocks, blend tokens recomputed over a
+request's own slots): vLLM's own ``CommonAttentionMetadata`` for sequences the scheduler does
+not know, and the model run under a forward context of its own, built as vLLM's runner builds a
+step's: no CUDA graph (``cudagraph_runtime_mode`` NONE: vLLM's graph wrappers run the model as
+is), and the padding mask MoE routing reads (``VLLM_MOE_SKIP_PADDING``) as the runner's own
+device buffer, none of it padding.
+
+``num_layers`` runs only the first layers (CacheBlend's check), by narrowing the decoder's
+``end_layer`` (``blend_support.first_layers``), the layer range vLLM's models already honour for pipeline parallelism. vLLM's
+compiled model (``@support_torch_compile``) ignores it: the graph was traced once over every layer
+and vLLM drops dynamo's guards, so it runs every layer whatever the range says. The check pass
+therefore runs vLLM's plain forward (the forward context's ``skip_compiled``, vLLM's own bypass of
+its compiled call): it traces and captures nothing and replays no graph. Full-depth prefills keep
+the compiled graph.
+
+KV copies, key reads and the tier's block reads and writes go to ``KVCopier`` (``cache/kv_slots.py``),
+which knows the backend's layout; rotated copies need blend's key rotation (``blend_support.py``).
+"""
+from __future__ import annotations
+
+
+import numpy as np
+import torch
+
+from graphchunk.cache.kv_slots import KVCopier
+from graphchunk.config import ConfigError
+from graphchunk.device import PseudoSeq, slots_of
+from graphchunk.engine.blend_support import BlendSupport, first_layers
+
+
+class RunnerKV:
+    def __init__(self, runner, copier: KVCopier, blend: BlendSupport):
+        """``runner``: vLLM's model runner (its model, attention groups, config, padding buffer)."""
+        self.runner, self.copier, self.blend = runner, copier, blend
+
+    def prefill(self, seqs: list[PseudoSeq], num_layers: int | None = None) -> None:
+        from vllm.forward_context import set_forward_context
+        from vllm.v1.attention.backend import CommonAttentionMetadata
+
+        runner = self.runner
+        bs = runner.cache_config.block_size
+        new_lens = [s.num_new for s in seqs]
+        seq_lens = torch.tensor([len(s.token_ids) for s in seqs], dtype=torch.int32)
+        ids = torch.tensor(np.concatenate([np.asarray(s.token_ids[s.num_cached:]) for s in seqs]), dtype=torch.int32)
+        positions = torch.from_numpy(np.concatenate([s.positions[s.num_cached:] for s in seqs]).astype(np.int64))
+        block_table = torch.zeros(len(seqs), max(len(s.block_ids) for s in seqs), dtype=torch.int32)
+        for i, s in enumerate(seqs):
+            block_table[i, : len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.int32)
+        slot_mapping = torch.from_numpy(np.concatenate(
+            [slots_of(s.block_ids, np.arange(s.num_cached, len(s.token_ids)), bs) for s in seqs]))
+        query_start = torch.zeros(len(seqs) + 1, dtype=torch.int32)
+        query_start[1:] = torch.cumsum(torch.tensor(new_lens), 0)
+        num_tokens = int(query_start[-1])
+        to = lambda t: t.to(runner.device, non_blocking=True)  # noqa: E731
+        common = CommonAttentionMetadata(
+            query_start_loc=to(query_start), query_start_loc_cpu=query_start, seq_lens=to(seq_lens),
+            num_reqs=len(seqs), num_actual_tokens=num_tokens, max_query_len=max(new_lens),
+            max_seq_len=int(seq_lens.max()), block_table_tensor=to(block_table), slot_mapping=to(slot_mapping),
+            causal=True, positions=to(positions), seq_lens_cpu_upper_bound=seq_lens)
+        attn_metadata, slot_by_layer = {}, {}
+        for group in runner.attn_groups[0]:
+            metadata = group.build_metadata(common)
+            for name in group.layer_names:
+                attn_metadata[name], slot_by_layer[name] = metadata, common.slot_mapping
+        with set_forward_context(attn_metadata, runner.vllm_config, num_tokens=num_tokens, slot_mapping=slot_by_layer,
+                                 is_padding=padding_mask(runner, num_tokens), skip_compiled=num_layers is not None), \
+                first_layers(runner.model, num_layers):
+            runner.model(input_ids=to(ids), positions=to(positions), intermediate_tensors=None, inputs_embeds=None)
+
+    def copy_blocks(self, src_blocks: list[int], dst_blocks: list[int]) -> None:
+        self.copier.copy_blocks(src_blocks, dst_blocks)
+
+    def copy_slots(self, src_slots: np.ndarray, dst_slots: np.ndarray) -> None:
+        self.copier.copy_slots(src_slots, dst_slots)
+
+    def copy_slots_rotated(self, src_slots: np.ndarray, dst_slots: np.ndarray, deltas: np.ndarray) -> None:
+        if self.blend.rotation is None:
+            raise ConfigError(f"graphchunk blend mode is not available for this model: {self.blend.refusal}")
+        self.copier.copy_slots_rotated(src_slots, dst_slots, deltas, self.blend.rotation)
+
+    def read_keys(self, layer: int, slots: np.ndarray) -> torch.Tensor:
+        return self.copier.read_keys(layer, slots)
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        return self.copier.read_blocks(block_ids)
+
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        self.copier.write_blocks(block_ids, data)
+
+
+def padding_mask(runner, num_tokens: int) -> torch.Tensor:
+    """vLLM's padding mask over ``num_tokens`` tokens none of which is padding: the runner's
+    persistent bool buffer on the device, filled as its steps fill it (``_prepare_padding_mask``);
+    the step that follows fills it again for itself."""
+    if num_tokens > runner.is_padding.numel():
+        raise AssertionError(f"a pseudo-sequence prefill of {num_tokens} tokens exceeds the runner's "
+                             f"{runner.is_padding.numel()} (max_num_batched_tokens)")
+    return runner._prepare_padding_mask(num_tokens, num_tokens)
