@@ -37,8 +37,11 @@ class StepPlan:
     """The grid's bucket holding the step, when every request in it computes only its question."""
 
 
-def plan_step(so, requests: dict[str, ChunkRequest], choose: Callable[[list[RequestShape] | None], Bucket | None]
-              | None) -> StepPlan:
+ChooseBucket = Callable[[list[RequestShape]], Bucket | None]
+"""The grid's bucket choice for a step's question-only requests (``BucketCounts.choose``)."""
+
+
+def plan_step(so, requests: dict[str, ChunkRequest], choose: ChooseBucket | None) -> StepPlan:
     """``requests``: the segmented requests by id; ``choose``: the grid's bucket choice (None: no grid)."""
     computed = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
     cached = so.scheduled_cached_reqs
