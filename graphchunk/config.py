@@ -35,11 +35,16 @@ class GraphChunkConfig:
     mode: str = "isolated"
     """Default mode of segmented requests: 'isolated' (exact, DESIGN.md §2) or 'blend' (approximate
     reuse behind any sys prompt at any offset); a request may override it (``graphchunk_mode``)."""
+    key_temperature: float = 1.0
+    """Isolated mode: the question's and generated tokens' attention logits to chunk tokens are divided
+    by it (APE's attention temperature, with its scale S = 1/T: one softmax); applied to the chunk keys
+    as they are copied into a request, so the pool keeps plain keys; 1 is exact isolated mode. A
+    request may override it (``graphchunk_key_temperature``)."""
     recompute: str = "legolink"
-    """Blend mode's default recompute policy: 'none', 'cacheblend' or 'legolink' (``blend/recompute.py``);
+    """Blend mode's default recompute policy: 'none', 'cacheblend', 'legolink' or 'question' (``blend/recompute.py``);
     LegoLink k=4 is the README's recommendation from perf/results/blend_quality.json."""
     recompute_ratio: float = 0.15
-    """cacheblend: share of chunk tokens recomputed through every layer, in [0, 1]."""
+    """cacheblend, question: share of chunk tokens recomputed through every layer, in [0, 1]."""
     recompute_tokens: int = 4
     """legolink: tokens recomputed at the start of every chunk."""
     check_layer: int = 1
@@ -64,8 +69,10 @@ class GraphChunkConfig:
             if not isinstance(value, kind) or isinstance(value, bool):
                 what = "a number" if isinstance(kind, tuple) else kind.__name__
                 raise ConfigError(f"graphchunk.{name} must be {what}, got {value!r}")
-        if isinstance(self.recompute_ratio, int) and not isinstance(self.recompute_ratio, bool):
-            object.__setattr__(self, "recompute_ratio", float(self.recompute_ratio))
+        for name in ("recompute_ratio", "key_temperature"):  # 1 and 1.0 are one setting
+            object.__setattr__(self, name, float(getattr(self, name)))
+        if not 0 < self.key_temperature < float("inf"):
+            raise ConfigError(f"graphchunk.key_temperature must be a number > 0, got {self.key_temperature!r}")
         for name in ("max_chunks", "max_chunk_len", "pool_tokens", "store_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"graphchunk.{name} must be >= 1, got {getattr(self, name)}")
@@ -113,6 +120,6 @@ class GraphChunkConfig:
 
 
 _TYPES = {"separator": str, "max_chunks": int, "max_chunk_len": int, "pool_tokens": int, "eviction": str,
-          "mode": str, "templates": str, "recompute": str, "recompute_ratio": (int, float), "recompute_tokens": int,
+          "mode": str, "key_temperature": (int, float), "templates": str, "recompute": str, "recompute_ratio": (int, float), "recompute_tokens": int,
           "check_layer": int, "store_path": str, "store_bytes": int,
           "host_bytes": int}

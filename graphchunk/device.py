@@ -38,13 +38,23 @@ class KVDevice(Protocol):
 
     def copy_blocks(self, src_blocks: list[int], dst_blocks: list[int]) -> None: ...
 
-    def copy_slots(self, src_slots: np.ndarray, dst_slots: np.ndarray) -> None: ...
+    def copy_slots(self, src_slots: np.ndarray, dst_slots: np.ndarray, key_temperature: float = 1.0) -> None:
+        """Copies KV from slot to slot, keys divided by ``key_temperature``; V unchanged."""
 
     def copy_slots_rotated(self, src_slots: np.ndarray, dst_slots: np.ndarray, deltas: np.ndarray) -> None:
         """Copies KV moving each key ``deltas`` positions further (``blend/rope.py``); V unchanged."""
 
     def read_keys(self, layer: int, slots: np.ndarray) -> torch.Tensor:
-        """K of ``slots`` at ``layer``: [n, kv_heads, head_size]."""
+        """K of ``slots`` at ``layer``: [n, kv_heads, head_size] (this rank's heads)."""
+
+    def sum_over_ranks(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` summed over the tensor-parallel ranks (each holds its own heads' share), so
+        that every rank selects the same tokens; itself without tensor parallelism."""
+
+    def context_attention(self, seqs: list[PseudoSeq]) -> list[torch.Tensor]:
+        """Runs the pseudo-sequences' new tokens through every layer (writing their KV) and returns,
+        per sequence, the attention they pay to each of its cached tokens: [num_cached] softmax
+        probabilities summed over the new tokens, every head (of every rank) and every layer."""
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """Whole blocks of every layer on the host (the persistent tier's payload)."""

@@ -91,3 +91,11 @@ class Layout:
         causal = np.tril(np.ones((seg.size, seg.size), dtype=bool))
         qi, kj = seg[:, None], seg[None, :]
         return causal & ((kj == 0) | (kj == qi) | (qi == k + 1))
+
+    def logit_scale(self, key_temperature: float, num_generated: int = 0) -> np.ndarray:
+        """Float [T, T] factor on attention logits (isolated mode's key temperature): 1 / T where a
+        question or generated token attends a chunk token, 1 elsewhere (sys, own chunk, question)."""
+        k = self.num_chunks
+        seg = np.concatenate([self.segment_ids(), np.full(num_generated, k + 1, np.int64)])
+        qi, kj = seg[:, None], seg[None, :]
+        return np.where((qi == k + 1) & (kj >= 1) & (kj <= k), 1.0 / key_temperature, 1.0)

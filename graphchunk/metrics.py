@@ -85,6 +85,10 @@ class CacheMetrics:
     blend_tokens_reused: int = _counter("Context tokens of blend-mode requests whose KV was copied from the pool")
     blend_tokens_recomputed: int = _counter("Reused chunk tokens of blend-mode requests recomputed through every layer")
     blend_tokens_checked: int = _counter("Chunk tokens run through CacheBlend's check layers to rank them")
+    blend_tokens_scored: int = _counter("Question tokens run through every layer to rank chunk tokens by the "
+                                       "question's attention (recompute policy 'question')")
+    blend_question_fallbacks: int = _counter("Steps of 'question'-policy requests ranked by CacheBlend's deviation: "
+                                             "the step filled context without the whole question")
     blend_tier_hits: int = _counter("Tier hits of blend-mode requests")
     tier_hits: int = _counter("Chunk-pool lookups missing the pool and served from the persistent tier")
     tier_loads: int = _counter("Entries (sys prompts and chunks) loaded from the persistent tier")

@@ -100,16 +100,17 @@ class Reference:
 REFERENCES: dict = {}
 
 
-def reference(oracle, seg: SegmentedPrompt, max_tokens: int) -> Reference:
+def reference(oracle, seg: SegmentedPrompt, max_tokens: int, key_temperature: float = 1.0) -> Reference:
     """The oracle's greedy continuation. ``Oracle.generate`` keeps only the last step's logits; a
     forward hook records every step's, so one prefill gives the first token's logprobs too."""
-    key = (seg.token_ids, seg.layout, max_tokens)
+    key = (seg.token_ids, seg.layout, max_tokens) + ((key_temperature,) if key_temperature != 1 else ())
     if key not in REFERENCES:
         steps: list[torch.Tensor] = []
         hook = oracle.model.register_forward_hook(
             lambda module, args, out: steps.append(out.logits[0, -1].float().log_softmax(-1)))
         try:
-            result = oracle.generate(list(seg.token_ids), seg.layout, max_tokens, ignore_eos=True)
+            result = oracle.generate(list(seg.token_ids), seg.layout, max_tokens, ignore_eos=True,
+                                     key_temperature=key_temperature)
         finally:
             hook.remove()
         assert len(steps) == len(result.tokens) == max_tokens

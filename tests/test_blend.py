@@ -24,10 +24,11 @@ class BlendDevice(FakeDevice):
     """FakeDevice whose forwards do not insist on exact causal prefixes (blend reuses approximate
     KV), record their calls, and whose check forwards (``num_layers``) write the given K."""
 
-    def __init__(self, check_keys=None):
+    def __init__(self, check_keys=None, attention=None):
         super().__init__()
         self.keys, self.calls = {}, []
         self.check_keys = check_keys or {}  # logical token -> K a check forward writes there
+        self.attention = attention or {}  # logical token -> the question's attention to it
 
     def prefill(self, seqs, num_layers=None):
         self.calls.append((num_layers, [(s.num_cached, len(s.token_ids)) for s in seqs]))
@@ -47,6 +48,14 @@ class BlendDevice(FakeDevice):
 
     def read_keys(self, layer, slots):
         return torch.tensor([self.keys.get(s, 0.0) for s in slots.tolist()]).view(-1, 1, 1)
+
+    def sum_over_ranks(self, values):
+        return values
+
+    def context_attention(self, seqs):
+        self.prefill(seqs)
+        self.calls[-1] = ("scored", self.calls[-1][1])
+        return [torch.tensor([self.attention.get(t, 0.0) for t in range(s.num_cached)]) for s in seqs]
 
 
 def blend_cache(check_layer=1, budget=1000):
@@ -155,6 +164,39 @@ def test_cacheblend_checks_every_chunk_token_then_recomputes_the_top_deviations(
         expected = fresh_kv(a, t) if t in picked else naive_kv(a, t)
         assert device.kv[device.slot(prompt.block_ids, t)] == expected, t
     assert (cc.metrics.blend_tokens_checked, cc.metrics.blend_tokens_recomputed) == (11, 4)
+
+
+def test_question_policy_recomputes_what_the_question_attends_to():
+    """The question runs once over the reused context (its attention ranks the chunk tokens, sys
+    tokens never count), then the top share is recomputed as CacheBlend's would be."""
+    a = make_prompt(3, [5, 6])  # sys 0..2, chunk tokens 3..13, question 14..15
+    attention = {0: 99.0, 4: 2.0, 6: 7.0, 10: 3.0, 13: 5.0}
+    device, cc = BlendDevice(attention=attention), blend_cache()
+    prompt = scheduled(a, RecomputePolicy("question", 0.3))
+    cc.materialize([prompt], device)
+    assert ("scored", [(14, 16)]) in device.calls and not any(c[0] == 2 for c in device.calls), "no check pass"
+    assert device.calls[-1] == (None, [(4, 5), (6, 7), (10, 11), (13, 14)])
+    for t in range(a.layout.context_len):
+        expected = fresh_kv(a, t) if t in (4, 6, 10, 13) else naive_kv(a, t)
+        assert device.kv[device.slot(prompt.block_ids, t)] == expected, t
+    m = cc.metrics
+    assert (m.blend_tokens_scored, m.blend_tokens_recomputed, m.blend_tokens_checked, m.blend_question_fallbacks) == \
+        (2, 4, 0, 0)
+
+
+def test_question_policy_without_its_question_in_the_step_ranks_by_deviation():
+    """Chunked prefill: a step that fills context but not the question cannot ask it; CacheBlend's
+    deviation ranks that step's tokens, counted as a fallback. The question's step asks."""
+    a = make_prompt(3, [5, 6])
+    device, cc = BlendDevice(check_keys={5: 4.0, 7: 1.0}, attention={8: 0.5, 9: 1.0, 12: 2.0}), blend_cache()
+    policy = RecomputePolicy("question", 0.4)
+    first = scheduled(a, policy, 0, 8)  # chunk tokens 3..7
+    cc.materialize([first], device)
+    assert (2, [(3, 8)]) in device.calls and device.calls[-1] == (None, [(5, 6), (7, 8)])
+    second = ScheduledPrompt(a, None, 8, a.layout.num_tokens, first.block_ids, policy)
+    cc.materialize([second], device)
+    assert ("scored", [(14, 16)]) in device.calls and device.calls[-1] == (None, [(8, 10), (12, 13)])
+    assert (cc.metrics.blend_question_fallbacks, cc.metrics.blend_tokens_scored) == (1, 2)
 
 
 def test_legolink_recomputes_chunk_starts_within_the_step_range():

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
-from exactness import (BLEND_FULL, BLEND_NONE, FIRST_TOKEN_TOL, LIMITS, LOGPROB_TOL, TextSource,
-                       assert_matches_oracle, assert_matches_reference, blend_reference, measured,  # noqa: F401
-                       sampling, text_sources)
+from exactness import (BLEND_FULL, BLEND_NONE, FIRST_TOKEN_TOL, LIMITS, LOGPROB_TOL, MAX_TOKENS, Reference,
+                       TextSource, assert_matches_oracle, assert_matches_reference, blend_reference,
+                       measured, sampling, text_sources)  # noqa: F401
+from graphchunk.blend.recompute import cacheblend_tokens
 from graphchunk.engine.frontend import BOUNDARIES_ARG
 from graphchunk.llm import RagPrompt
 from graphchunk.segments import split_at
@@ -23,7 +25,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_oracle_thread")]
 
 ISOLATED = {"graphchunk_mode": "isolated"}
 COUNTERS = ("lookups", "hits", "misses", "blend_lookups", "blend_hits", "blend_misses", "blend_tokens_recomputed",
-            "blend_tokens_checked")
+            "blend_tokens_checked", "blend_tokens_scored", "blend_question_fallbacks")
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +107,30 @@ def test_legolink_equals_recomputing_chunk_starts_in_hf(gc_llm, oracle, docs, te
     assert segs[0].layout.num_tokens > 256 >= segs[1].layout.num_tokens
     check(outputs, segs, oracle, f"legolink:{k}")
     assert delta["blend_tokens_recomputed"] == 6 * k
+
+
+def test_question_policy_recomputes_what_the_question_attends_to_in_hf(gc_llm, oracle, docs, text):
+    """The question-aware policy (r = 0.3) against HF: HF's own attention probabilities of the
+    question over the naively reused context, summed over its tokens, heads and layers, rank the
+    chunk tokens; HF recomputing exactly the top share gives the engine's tokens and logprobs. The
+    chunks are hits (moved from other positions) and the prompt fits one step."""
+    prompts = [RagPrompt(text.text(9), [docs[8], docs[2], docs[7]], text.question(9))]
+    generate(gc_llm, [RagPrompt(text.text(6), [docs[7], docs[8], docs[2]], "Warm?")], BLEND_NONE)
+    policy = {"graphchunk_mode": "blend", "graphchunk_recompute": "question", "graphchunk_recompute_ratio": 0.3}
+    outputs, segs, delta = generate(gc_llm, prompts, policy)
+    seg, lay = segs[0], segs[0].layout
+    assert lay.num_tokens <= 256 and delta["blend_hits"] == 3
+    chunk_tokens = np.arange(lay.sys_len, lay.context_len)
+    scores = oracle.question_attention(list(seg.token_ids), lay)
+    picked = cacheblend_tokens(chunk_tokens, scores[chunk_tokens], 0.3)
+    tokens, logprobs = oracle.blend_generate(list(seg.token_ids), lay, picked, MAX_TOKENS)
+    assert_matches_reference(outputs[0], Reference(tokens, logprobs), "question r=0.3")
+    assert (delta["blend_tokens_recomputed"], delta["blend_tokens_scored"], delta["blend_tokens_checked"]) == \
+        (math.ceil(0.3 * len(chunk_tokens)), lay.question_len, 0)
+    # The set decides the answer's distribution: recomputing the question's least-attended tokens instead differs.
+    other = cacheblend_tokens(chunk_tokens, -scores[chunk_tokens], 0.3)
+    _, other_logprobs = oracle.blend_generate(list(seg.token_ids), lay, other, 1)
+    assert (other_logprobs[0] - logprobs[0]).abs().max() > 0.05
 
 
 def test_cacheblend_counts(gc_llm, docs, text):

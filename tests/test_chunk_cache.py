@@ -18,6 +18,7 @@ BS = 4
 class FakeDevice:
     def __init__(self):
         self.kv = {}
+        self.temperatures = {}  # slot: the key temperature of the copy that last wrote it
         self.forward_tokens = 0
         self.batches = []
 
@@ -41,9 +42,10 @@ class FakeDevice:
                 if s * BS + o in self.kv:
                     self.kv[d * BS + o] = self.kv[s * BS + o]
 
-    def copy_slots(self, src, dst):
+    def copy_slots(self, src, dst, key_temperature=1.0):
         for s, d in zip(src.tolist(), dst.tolist()):
             self.kv[d] = self.kv[s]
+            self.temperatures[d] = key_temperature
 
     def read_blocks(self, block_ids):
         return [self.kv.get(b * BS + o) for b in block_ids for o in range(BS)]
@@ -133,6 +135,25 @@ def test_second_request_reuses_chunks_in_any_order():
     assert device.forward_tokens == computed, "all hits: nothing recomputed"
     check_context(device, prompt)
     assert (cc.metrics.lookups, cc.metrics.hits, cc.metrics.tokens_reused) == (4, 2, 3 + 11)
+
+
+def test_key_temperature_divides_only_the_chunk_keys_copied_into_its_request():
+    """Isolated mode's key temperature: a request's chunk tokens are copied with it, its sys tokens
+    and another request's copies of the same entries with their own (1), and the pool's slots are
+    never written by a copy (one cached entry serves every temperature)."""
+    seg = make_prompt(3, [5, 6])
+    device, cc = FakeDevice(), cache()
+    hot = ScheduledPrompt(seg, None, 0, seg.layout.num_tokens, request_blocks(0, seg), key_temperature=0.5)
+    plain = ScheduledPrompt(seg, None, 0, seg.layout.num_tokens, request_blocks(20, seg))
+    cc.materialize([hot, plain], device)
+    for prompt, chunk_temperature in ((hot, 0.5), (plain, 1.0)):
+        check_context(device, prompt)
+        for t in range(seg.layout.context_len):
+            want = 1.0 if t < seg.layout.sys_len else chunk_temperature
+            assert device.temperatures[device.slot(prompt.block_ids, t)] == want, f"token {t}"
+    pool_slots = {b * BS + o for e in cc.pool._live for b in e.block_ids for o in range(BS)}
+    assert pool_slots and not pool_slots & set(device.temperatures), "a copy wrote into the pool"
+    assert (cc.metrics.misses, cc.metrics.hits) == (2, 2)
 
 
 def test_identical_chunks_in_one_step_are_computed_once():

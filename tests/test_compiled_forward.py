@@ -139,7 +139,7 @@ def test_padding_mask_is_the_runners_device_mask(device):
     mask on the runner's device over its tokens (none is padding). ``meta`` stands for an
     accelerator: a host mask there is the bug this catches."""
     runner = _Runner(device)
-    RunnerKV(runner, None, None).prefill(_seqs())
+    RunnerKV(runner, None, None, []).prefill(_seqs())
     mask = runner.model.seen[-1]["is_padding"]
     assert mask.device == runner.device and mask.dtype == torch.bool and mask.shape == (12,)
     if device == "cpu":
@@ -152,8 +152,8 @@ def test_only_the_check_pass_runs_past_the_compiled_graph():
     from vllm.config import CUDAGraphMode
 
     runner = _Runner("cpu")
-    RunnerKV(runner, None, None).prefill(_seqs())
-    RunnerKV(runner, None, None).prefill(_seqs(), num_layers=2)
+    RunnerKV(runner, None, None, []).prefill(_seqs())
+    RunnerKV(runner, None, None, []).prefill(_seqs(), num_layers=2)
     full, check = runner.model.seen
     assert (full["skip_compiled"], full["end_layer"]) == (False, 4)
     assert (check["skip_compiled"], check["end_layer"]) == (True, 2)

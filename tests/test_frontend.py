@@ -5,9 +5,9 @@ import pytest
 from vllm import SamplingParams
 
 from graphchunk.config import GraphChunkConfig
-from graphchunk.engine.frontend import (BOUNDARIES_ARG, MODE_ARG, RATIO_ARG, RECOMPUTE_ARG, SALT_ARG, TOKENS_ARG,
-                                        RequestAnnotator, is_graphchunk_worker, json_boolean_problem, layout_fingerprint,
-                                        resolve_mode)
+from graphchunk.engine.frontend import (BOUNDARIES_ARG, MODE_ARG, RATIO_ARG, RECOMPUTE_ARG, SALT_ARG, TEMPERATURE_ARG,
+                                        TOKENS_ARG, RequestAnnotator, chunk_request, is_graphchunk_worker,
+                                        json_boolean_problem, layout_fingerprint, resolve_mode, temperature_refusal)
 from graphchunk.segments import SegmentationError
 
 
@@ -62,7 +62,8 @@ def test_ordinary_prompt_is_untouched(tokenizer, annotator):
 def test_explicit_boundaries(tokenizer, annotator):
     req = request(tokenizer, "a b c d e f g h", extra_args={BOUNDARIES_ARG: [2, 4, 6], SALT_ARG: "forged"})
     annotator.annotate(req)
-    assert req.sampling_params.extra_args == {BOUNDARIES_ARG: [2, 4, 6], SALT_ARG: None, MODE_ARG: "isolated"}
+    assert req.sampling_params.extra_args == {BOUNDARIES_ARG: [2, 4, 6], SALT_ARG: None, MODE_ARG: "isolated",
+                                              TEMPERATURE_ARG: 1.0}
     zero_chunks = request(tokenizer, "a b c d", extra_args={BOUNDARIES_ARG: [2]})
     annotator.annotate(zero_chunks)
     assert zero_chunks.cache_salt is None and not zero_chunks.sampling_params.extra_args
@@ -97,16 +98,21 @@ def annotated(tokenizer, config=None, text=RAG, **extra):
 
 def resolved(req) -> dict:
     args = req.sampling_params.extra_args
-    return {key: args[key] for key in (MODE_ARG, RECOMPUTE_ARG, RATIO_ARG, TOKENS_ARG) if key in args}
+    return {key: args[key] for key in (MODE_ARG, TEMPERATURE_ARG, RECOMPUTE_ARG, RATIO_ARG, TOKENS_ARG) if key in args}
 
 
 BLEND_CONFIG = GraphChunkConfig(max_chunks=4, max_chunk_len=64, mode="blend", recompute="legolink",
                                 recompute_ratio=0.3, recompute_tokens=7)
+COOL_CONFIG = GraphChunkConfig(max_chunks=4, max_chunk_len=64, key_temperature=0.8)
 
 
 @pytest.mark.parametrize("config, extra, expected", [
-    (None, {}, {MODE_ARG: "isolated"}),
-    (None, {MODE_ARG: "isolated"}, {MODE_ARG: "isolated"}),
+    (None, {}, {MODE_ARG: "isolated", TEMPERATURE_ARG: 1.0}),
+    (None, {MODE_ARG: "isolated"}, {MODE_ARG: "isolated", TEMPERATURE_ARG: 1.0}),
+    (None, {TEMPERATURE_ARG: 0.5}, {MODE_ARG: "isolated", TEMPERATURE_ARG: 0.5}),
+    (None, {TEMPERATURE_ARG: 2}, {MODE_ARG: "isolated", TEMPERATURE_ARG: 2.0}),
+    (COOL_CONFIG, {}, {MODE_ARG: "isolated", TEMPERATURE_ARG: 0.8}),
+    (COOL_CONFIG, {TEMPERATURE_ARG: 1}, {MODE_ARG: "isolated", TEMPERATURE_ARG: 1.0}),
     (None, {MODE_ARG: "blend"},
      {MODE_ARG: "blend", RECOMPUTE_ARG: "legolink", RATIO_ARG: 0.15, TOKENS_ARG: 4}),
     (None, {MODE_ARG: "blend", RECOMPUTE_ARG: "cacheblend", RATIO_ARG: 1},
@@ -117,7 +123,7 @@ BLEND_CONFIG = GraphChunkConfig(max_chunks=4, max_chunk_len=64, mode="blend", re
     (BLEND_CONFIG, {RECOMPUTE_ARG: "none"}, {MODE_ARG: "blend", RECOMPUTE_ARG: "none", RATIO_ARG: 0.3, TOKENS_ARG: 7}),
     (BLEND_CONFIG, {RECOMPUTE_ARG: "cacheblend", RATIO_ARG: 0.5},
      {MODE_ARG: "blend", RECOMPUTE_ARG: "cacheblend", RATIO_ARG: 0.5, TOKENS_ARG: 7}),
-    (BLEND_CONFIG, {MODE_ARG: "isolated"}, {MODE_ARG: "isolated"}),
+    (BLEND_CONFIG, {MODE_ARG: "isolated"}, {MODE_ARG: "isolated", TEMPERATURE_ARG: 1.0}),
 ])
 def test_segmented_request_carries_the_resolved_mode_and_policy(tokenizer, config, extra, expected):
     got = resolved(annotated(tokenizer, config, **extra))
@@ -143,6 +149,14 @@ def test_segmented_request_carries_the_resolved_mode_and_policy(tokenizer, confi
      "graphchunk_recompute_ratio, graphchunk_recompute_tokens only apply to blend mode, but graphchunk_mode is"),
     (BLEND_CONFIG, {MODE_ARG: "isolated", RECOMPUTE_ARG: "none"}, "graphchunk_recompute only apply to blend mode"),
     (BLEND_CONFIG, {RATIO_ARG: 7}, "graphchunk_recompute_ratio must be a number"),
+    (None, {TEMPERATURE_ARG: 0}, "graphchunk_key_temperature must be a number > 0, got 0"),
+    (None, {TEMPERATURE_ARG: -1.5}, "graphchunk_key_temperature must be a number > 0"),
+    (None, {TEMPERATURE_ARG: float("inf")}, "graphchunk_key_temperature must be a number > 0"),
+    (None, {TEMPERATURE_ARG: "0.5"}, "graphchunk_key_temperature must be a number > 0, got '0.5'"),
+    (None, {TEMPERATURE_ARG: True}, "graphchunk_key_temperature must be a number > 0, got True"),
+    (None, {MODE_ARG: "blend", TEMPERATURE_ARG: 0.5},
+     "graphchunk_key_temperature only applies to isolated mode, but the request's mode is 'blend'"),
+    (BLEND_CONFIG, {TEMPERATURE_ARG: 1.0}, "graphchunk_key_temperature only applies to isolated mode"),
 ])
 @pytest.mark.parametrize("text", [RAG, "An ordinary prompt without separators."])
 def test_bad_mode_arguments_are_value_errors_naming_the_argument(tokenizer, config, extra, message, text):
@@ -167,6 +181,26 @@ def test_isolated_salt_is_unchanged(tokenizer):
         seg = RequestAnnotator(GraphChunkConfig(), tokenizer).segment(req.prompt_token_ids, {})
         assert req.cache_salt == f"tenant|graphchunk:{layout_fingerprint(seg)}"
     assert annotated(tokenizer, BLEND_CONFIG, **{MODE_ARG: "isolated"}).cache_salt == req.cache_salt
+
+
+def test_key_temperature_joins_the_salt_and_reaches_the_worker(tokenizer):
+    """vLLM's prefix cache must never hand KV copied at one temperature to a request at another;
+    T = 1 keeps today's salt. The worker reads back the temperature the API process resolved."""
+    plain, one, hot = (annotated(tokenizer, **extra) for extra in ({}, {TEMPERATURE_ARG: 1}, {TEMPERATURE_ARG: 0.7}))
+    assert plain.cache_salt == one.cache_salt != hot.cache_salt
+    request = chunk_request(hot.prompt_token_ids, hot.sampling_params.extra_args, GraphChunkConfig())
+    assert request.key_temperature == 0.7 and request.policy is None
+    blend = annotated(tokenizer, COOL_CONFIG, **{MODE_ARG: "blend"})
+    assert chunk_request(blend.prompt_token_ids, blend.sampling_params.extra_args, COOL_CONFIG).key_temperature == 1
+
+
+def test_key_temperature_refused_where_keys_do_not_scale_logits(tokenizer):
+    capped = SimpleNamespace(attn_logit_softcapping=50.0)
+    assert "soft-capped" in temperature_refusal(capped) and temperature_refusal(SimpleNamespace()) is None
+    annotator = RequestAnnotator(GraphChunkConfig(), tokenizer, temperature_refusal=temperature_refusal(capped))
+    with pytest.raises(SegmentationError, match="graphchunk_key_temperature is not available for this model"):
+        annotator.annotate(request(tokenizer, RAG, extra_args={TEMPERATURE_ARG: 0.5}))
+    annotator.annotate(request(tokenizer, RAG, extra_args={TEMPERATURE_ARG: 1.0}))  # T = 1 is plain isolated
 
 
 def test_blend_salt_follows_context_and_policy(tokenizer):

@@ -86,14 +86,16 @@ def rotation() -> KeyRotation:
     return KeyRotation(torch.cat([angles.cos(), angles.sin()], dim=-1), DIM, is_neox_style=True)
 
 
-def moved(layout, backend, dtype, caches, keys, values, deltas=None) -> list[torch.Tensor]:
-    """Every layer as it must be after moving SRC's K/V to DST (K rotated by ``deltas``): a copy of
-    ``caches`` with the moved values written at DST through the backend's own op."""
+def moved(layout, backend, dtype, caches, keys, values, deltas=None, key_temperature=1.0) -> list[torch.Tensor]:
+    """Every layer as it must be after moving SRC's K/V to DST (K rotated by ``deltas``, or divided
+    by ``key_temperature``): a copy of ``caches`` with the moved values written at DST through the
+    backend's own op."""
     want = vllm_caches(layout, dtype)
     write_kv = writer(backend, dtype)
     for cache, target, key, value in zip(caches, want, keys, values):
         target.copy_(cache)
         key = key[SRC] if deltas is None else rotation().rotate(key[SRC], torch.from_numpy(deltas))
+        key = key if key_temperature == 1 else key / key_temperature
         write_kv(key, value[SRC], target, torch.from_numpy(DST))
     return want
 
@@ -132,17 +134,19 @@ def test_flash_write_reference_follows_the_logical_view(layout, dtype):
 
 # --- graphchunk's copies ---------------------------------------------------------------------------
 
+@pytest.mark.parametrize("key_temperature", [1.0, 0.7], ids=["plain", "temperature"])
 @pytest.mark.parametrize("gather", [False, True], ids=["strided", "gather"])
 @pytest.mark.parametrize("layout,backend,dtype", CASES, ids=IDS)
-def test_slot_copy(layout, backend, dtype, gather):
+def test_slot_copy(layout, backend, dtype, gather, key_temperature):
     """``copy_slots`` (an isolated chunk placed at an offset that is not block-aligned) leaves every
-    layer exactly as writing the source's K/V at the destination through the backend would."""
+    layer exactly as writing the source's K/V at the destination through the backend would (with
+    isolated mode's key temperature: K divided by it, V as is)."""
     caches, keys, values = filled(layout, backend, dtype, seed=1)
-    want = moved(layout, backend, dtype, caches, keys, values)
+    want = moved(layout, backend, dtype, caches, keys, values, key_temperature=key_temperature)
     copier = copier_for(caches, backend, dtype)
     if gather:
         copier.views = None  # the flat-gather path for layouts that are not affine
-    copier.copy_slots(SRC, DST)
+    copier.copy_slots(SRC, DST, key_temperature)
     for layer, (got, expected) in enumerate(zip(caches, want)):
         assert torch.equal(got, expected), f"layer {layer}"
 

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 import pytest
 
 from conftest import GC_LLM_BLOCK_SIZE, GC_LLM_MAX_BATCHED_TOKENS
-from exactness import (FIRST_TOKEN_TOL, LIMITS, LOGPROB_TOL, MEASURED, assert_matches_oracle,
-                       make_splitter, run, sampling, sep_prompt, text_sources)
+from exactness import (FIRST_TOKEN_TOL, LIMITS, LOGPROB_TOL, MAX_TOKENS, MEASURED, assert_matches_oracle,
+                       assert_matches_reference, make_splitter, reference, run, sampling, sep_prompt,
+                       text_sources)
 from graphchunk.engine.frontend import BOUNDARIES_ARG, layout_fingerprint
 from graphchunk.llm import RagPrompt
 from graphchunk.segments import SegmentedPrompt, split_at
@@ -256,6 +257,31 @@ def test_step_scheduling_a_single_context_token(gc_llm, oracle, sources):
                                [sampling(), segmented])
     assert again.num_cached_tokens == 7 * GC_LLM_BLOCK_SIZE  # resumes inside chunk 2
     assert_matches_oracle(again, seg, oracle)
+
+
+def test_key_temperature_matches_the_oracle(gc_llm, oracle, sources):
+    """Isolated mode with a key temperature (the question's and generated tokens' logits to chunk
+    tokens divided by T) against the oracle's attention with that factor: first requests (misses,
+    computed with plain keys), the chunks reordered (pool hits, copied divided by T), a prompt over
+    256 tokens (chunked prefill). The same prompt at T = 1 right after gets today's exact isolated
+    mode, none of the T-scaled KV (neither from the pool, which keeps plain keys, nor from vLLM's
+    prefix cache); and T visibly changes the answer's distribution, so the checks could fail."""
+    text = sources(3)
+    sys = "Key temperature test. " + text.text(20)  # a sys prompt no other test sends: its chunks miss
+    chunks = [text.text(n) for n in (90, 120, 70)]
+    question = text.question(8)
+    hot = {"graphchunk_mode": "isolated", "graphchunk_key_temperature": 0.6}
+    first = RagPrompt(sys, chunks, question, extra=hot)
+    reordered = RagPrompt(sys, [chunks[2], chunks[0], chunks[1]], question, extra=hot)
+    plain = RagPrompt(sys, reordered.chunks, question, extra={"graphchunk_mode": "isolated"})
+    for prompt, misses, temperature in ((first, 3, 0.6), (reordered, 0, 0.6), (plain, 0, 1.0)):
+        outputs, segs, delta = run(gc_llm, [prompt], None)
+        assert segs[0].layout.num_tokens > GC_LLM_MAX_BATCHED_TOKENS  # chunked prefill
+        assert delta["misses"] == misses and delta["hits"] == delta["lookups"] - misses >= 3 - misses
+        assert_matches_reference(outputs[0], reference(oracle, segs[0], MAX_TOKENS, temperature),
+                                 f"T={temperature}")
+    hot_ref, plain_ref = (reference(oracle, segs[0], MAX_TOKENS, t) for t in (0.6, 1.0))
+    assert (hot_ref.logprobs[0] - plain_ref.logprobs[0]).abs().max() > 0.05
 
 
 def test_report_measured():

@@ -13,7 +13,11 @@ import os
 import pytest
 import torch
 
-from exactness import LIMITS, assert_matches_oracle, assert_matches_reference, blend_reference, sampling
+import numpy as np
+
+from exactness import (LIMITS, MAX_TOKENS, Reference, assert_matches_oracle, assert_matches_reference,
+                       blend_reference, reference, sampling)
+from graphchunk.blend.recompute import cacheblend_tokens
 from graphchunk.llm import RagPrompt
 from graphchunk.reference import models
 from graphchunk.reference.oracle import Oracle
@@ -78,6 +82,29 @@ def test_both_modes_match_the_oracle_with_tp2(tp_llm, tiny_oracle):
                 assert_matches_reference(output, blend_reference(tiny_oracle, seg, "legolink:2"), mode)
         assert after["hits"] - before["hits"] == len(DOCS), mode
         assert after["misses"] - before["misses"] == len(DOCS), mode
+
+
+def test_key_temperature_and_question_policy_with_tp2(tp_llm, tiny_oracle):
+    """Isolated mode at a key temperature (each rank divides its heads' keys) and the question-aware
+    recompute policy (each rank scores with its heads; the scores are summed over ranks, so both
+    recompute the same tokens) against HF."""
+    question = "Which statement may only occur in a loop?"
+    hot = RagPrompt("Answer from the documents.", DOCS[::-1], question,
+                    extra={"graphchunk_mode": "isolated", "graphchunk_key_temperature": 0.7})
+    asked = RagPrompt("Be brief.", DOCS, question, extra={"graphchunk_mode": "blend", "graphchunk_recompute": "question",
+                                                          "graphchunk_recompute_ratio": 0.3})
+    hot_out, asked_out = tp_llm.generate([hot, asked], sampling())
+    seg = split_at(*tp_llm.encode(hot), **LIMITS)
+    assert_matches_reference(hot_out, reference(tiny_oracle, seg, MAX_TOKENS, 0.7), "isolated T=0.7")
+    seg = split_at(*tp_llm.encode(asked), **LIMITS)
+    lay = seg.layout
+    chunk_tokens = np.arange(lay.sys_len, lay.context_len)
+    scores = tiny_oracle.question_attention(list(seg.token_ids), lay)[chunk_tokens]
+    picked = cacheblend_tokens(chunk_tokens, scores, 0.3)
+    ranked = np.sort(scores)[::-1]
+    assert ranked[len(picked) - 1] - ranked[len(picked)] > 1e-3 * ranked[0], "no near-tie at the cut"
+    tokens, logprobs = tiny_oracle.blend_generate(list(seg.token_ids), lay, picked, MAX_TOKENS)
+    assert_matches_reference(asked_out, Reference(tokens, logprobs), "question r=0.3")
 
 
 def test_tier_serves_an_entry_only_when_every_rank_has_its_file(tp_llm, tiny_oracle, tp_store):

@@ -102,6 +102,13 @@ def test_blend_default_refuses_moving_keys_it_cannot(hf_config, reason):
     check_config(vllm_config(hf_config=hf_config), GraphChunkConfig(pool_tokens=65536))  # isolated is fine
 
 
+def test_key_temperature_default_refused_where_keys_do_not_scale_logits():
+    capped = SimpleNamespace(rope_theta=1e4, attn_logit_softcapping=50.0)
+    with pytest.raises(ConfigError, match=r"graphchunk.key_temperature=0.8 is not available .* soft-capped"):
+        check_config(vllm_config(hf_config=capped), GraphChunkConfig(pool_tokens=65536, key_temperature=0.8))
+    check_config(vllm_config(hf_config=capped), GraphChunkConfig(pool_tokens=65536))  # T = 1 is plain isolated
+
+
 @pytest.mark.parametrize("rope_type", ["default", "linear", "llama3", "yarn"])
 def test_blend_default_accepts_fixed_rotations(rope_type):
     hf_config = SimpleNamespace(rope_theta=1e4, rope_parameters={"rope_type": rope_type, "factor": 2.0})

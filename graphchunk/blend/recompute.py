@@ -12,7 +12,14 @@ before them. Policies:
                 ranks: it decides where the later tokens' attention goes, and K and V of one
                 token deviate together (both come from the same hidden state);
 ``legolink``    EPIC's LegoLink (ICML'25): the first ``tokens`` tokens of every chunk, which
-                computed alone became attention sinks.
+                computed alone became attention sinks;
+``question``    question-aware (after ProphetKV, ICML'26): the question runs once through every
+                layer over the reused KV, and the ``ratio`` share of chunk tokens it attends to
+                most (softmax probability summed over its tokens, heads and layers) is recomputed
+                through all layers. The question must be scheduled in the same step as the chunk
+                tokens it ranks; a step of chunked prefill that fills context without its question
+                (or a question longer than a forward's budget) ranks by CacheBlend's deviation
+                instead, counted in ``blend_question_fallbacks``.
 
 Ratio 1 recomputes every chunk token (exactly a full prefill); ratio 0 or ``none`` is naive reuse.
 A step selects among the chunk tokens it fills; when chunked prefill splits a context across
@@ -27,14 +34,14 @@ import numpy as np
 
 from graphchunk.device import PseudoSeq, consecutive_runs, slots_of, split_forward_batches
 
-POLICIES = ("none", "cacheblend", "legolink")
+POLICIES = ("none", "cacheblend", "legolink", "question")
 
 
 @dataclass(frozen=True)
 class RecomputePolicy:
     name: str = "legolink"
     ratio: float = 0.15
-    """cacheblend: share of chunk tokens recomputed through every layer, in [0, 1]."""
+    """cacheblend, question: share of chunk tokens recomputed through every layer, in [0, 1]."""
     tokens: int = 4
     """legolink: tokens recomputed at the start of every chunk."""
 
@@ -48,12 +55,13 @@ class RecomputePolicy:
 
     @property
     def needs_check(self) -> bool:
-        """Whether selection needs the check-layer forward (cacheblend strictly between 0 and 1)."""
-        return self.name == "cacheblend" and 0 < self.ratio < 1
+        """Whether selection may need the check-layer forward (cacheblend, and question's fallback,
+        with a ratio strictly between 0 and 1)."""
+        return self.name in ("cacheblend", "question") and 0 < self.ratio < 1
 
     def describe(self) -> str:
-        if self.name == "cacheblend":
-            return f"cacheblend:{self.ratio!r}"
+        if self.name in ("cacheblend", "question"):
+            return f"{self.name}:{self.ratio!r}"
         return f"legolink:{self.tokens}" if self.name == "legolink" else "none"
 
 
@@ -64,8 +72,8 @@ def legolink_tokens(chunk_spans: list[tuple[int, int]], k: int) -> np.ndarray:
 
 
 def cacheblend_tokens(candidates: np.ndarray, deviation: np.ndarray, ratio: float) -> np.ndarray:
-    """The ``ceil(ratio * n)`` candidates with the largest deviation (ties: the earlier token),
-    in logical order."""
+    """The ``ceil(ratio * n)`` candidates with the largest deviation (or question attention; ties:
+    the earlier token), in logical order."""
     count = min(len(candidates), math.ceil(ratio * len(candidates) - 1e-9))
     order = np.argsort(-np.asarray(deviation, np.float64), kind="stable")[:count]
     return np.sort(np.asarray(candidates, np.int64)[order])
@@ -80,7 +88,7 @@ def recompute(prompts, device, *, check_layer: int, budget: int, block_size: int
     ``prompts``: ``chunk_cache.ScheduledPrompt``s with a policy and their block ids; ``device``:
     a ``KVDevice``; ``budget``: most new tokens per forward."""
     picks: dict[int, np.ndarray] = {}
-    checked = []
+    checked, asked = [], []
     for n, prompt in enumerate(prompts):
         lay, policy = prompt.seg.layout, prompt.policy
         lo, hi = max(prompt.start, lay.sys_len), prompt.context_end
@@ -90,10 +98,15 @@ def recompute(prompts, device, *, check_layer: int, budget: int, block_size: int
         if policy.name == "legolink":
             spans = prompt.seg.bounds[1:-1]
             picks[n] = np.intersect1d(legolink_tokens(spans, policy.tokens), candidates)
+        elif policy.needs_check and policy.name == "question" and _question_fits(prompt, budget):
+            asked.append((n, candidates))
         elif policy.needs_check:
             checked.append((n, candidates))
+            metrics.blend_question_fallbacks += policy.name == "question"
         elif policy.ratio > 0:
             picks[n] = candidates
+    if asked:
+        picks.update(_ask(prompts, asked, device, budget, metrics))
     if checked:
         picks.update(_check(prompts, checked, device, check_layer, budget, block_size, metrics))
     seqs = [_seq(prompts[n], a, a + length) for n, chosen in picks.items() for a, length in consecutive_runs(chosen)]
@@ -114,9 +127,33 @@ def _check(prompts, checked, device, check_layer: int, budget: int, block_size: 
     metrics.blend_tokens_checked += sum(len(c) for _, c in checked)
     picks = {}
     for n, candidates in checked:
-        deviation = (device.read_keys(check_layer, slots[n]).float() - reused[n]).square().sum(dim=(1, 2))
+        moved = (device.read_keys(check_layer, slots[n]).float() - reused[n]).square().sum(dim=(1, 2))
+        deviation = device.sum_over_ranks(moved)  # every tensor-parallel rank ranks all heads alike
         picks[n] = cacheblend_tokens(candidates, deviation.cpu().numpy(), prompts[n].policy.ratio)
     return picks
+
+
+def _question_fits(prompt, budget: int) -> bool:
+    """The step schedules the whole question, and it fits one forward."""
+    lay = prompt.seg.layout
+    return prompt.end >= lay.num_tokens and lay.question_len <= budget
+
+
+def _ask(prompts, asked, device, budget: int, metrics) -> dict[int, np.ndarray]:
+    """The question-aware selection: each question once through every layer over its request's
+    reused context, in batches of at most ``budget`` tokens; the candidates it attends to most."""
+    seqs = [_seq(prompts[n], prompts[n].seg.layout.context_len, prompts[n].seg.layout.num_tokens) for n, _ in asked]
+    scores, batch, used = [], [], 0
+    for seq in seqs:
+        if batch and used + seq.num_new > budget:
+            scores += device.context_attention(batch)
+            batch, used = [], 0
+        batch.append(seq)
+        used += seq.num_new
+    scores += device.context_attention(batch)
+    metrics.blend_tokens_scored += sum(seq.num_new for seq in seqs)
+    return {n: cacheblend_tokens(candidates, scores[i][candidates].cpu().numpy(), prompts[n].policy.ratio)
+            for i, (n, candidates) in enumerate(asked)}
 
 
 def _seq(prompt, a: int, b: int) -> PseudoSeq:

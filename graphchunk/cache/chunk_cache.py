@@ -7,7 +7,8 @@ For every segmented request whose scheduled range ``[start, end)`` overlaps its 
    with ordinary causal attention: sys at positions [0, S), then each chunk as ``sys ‖ chunk``
    continuing the sys entry's KV (its partial last block copied first), positions [S, S+L_i);
 2. copy the KV of the context tokens in ``[start, min(end, C))`` from pool slots into the
-   request's own slots;
+   request's own slots (the chunk tokens' keys divided by the request's key temperature, when
+   it is not 1: the question's logits to them are then divided by it, ``config.key_temperature``);
 3. tell the model runner where the request's own computation now starts: at C, or at ``end - 1``
    when the step holds no question token (that token is recomputed with its KV write skipped,
    because a scheduled request must keep at least one token).
@@ -53,6 +54,8 @@ class ScheduledPrompt:
     block_ids: Sequence[int]
     policy: RecomputePolicy | None = None
     """Blend mode's recompute policy; None for isolated mode."""
+    key_temperature: float = 1.0
+    """Isolated mode: chunk keys are divided by it as they are copied into the request."""
 
     @property
     def mode(self) -> str:
@@ -83,7 +86,8 @@ class _Group:
     """Misses the tier held: (entry, its blocks' KV) to write into the pool."""
     stores: list[tuple[PoolEntry, str]] = field(default_factory=list)
     """Computed misses to write through to the tier: (entry, mode)."""
-    copies: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
+    copies: list[tuple[np.ndarray, np.ndarray, float]] = field(default_factory=list)
+    """Plain copies: (pool slots, request slots, key temperature: 1 but for isolated chunks)."""
     rotated: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=list)
     """Blend copies: (pool slots, request slots, positions each key moves)."""
 
@@ -164,7 +168,7 @@ class ChunkCache:
         if mode == "blend" and chunk is not None:  # computed at [0, L), lands at [begin, begin + L)
             group.rotated.append((src, dst, np.full(hi - lo, begin, np.int64)))
         else:
-            group.copies.append((src, dst))
+            group.copies.append((src, dst, 1.0 if chunk is None else prompt.key_temperature))
 
     def _acquire_sys(self, seg, salt, mode, group, acquired) -> PoolEntry:
         key = sys_key(self.space, seg.sys_tokens, salt, mode)
@@ -238,8 +242,9 @@ class ChunkCache:
                 self.pool.mark_ready(entry)
             for entry, mode in group.stores:
                 self.tier.save(entry.key, entry.tokens, entry.num_tokens, mode, device.read_blocks(entry.block_ids))
-            if group.copies:
-                device.copy_slots(*(np.concatenate(part) for part in zip(*group.copies)))
+            for temperature in sorted({t for _, _, t in group.copies}):
+                parts = [(s, d) for s, d, t in group.copies if t == temperature]
+                device.copy_slots(*(np.concatenate(part) for part in zip(*parts)), key_temperature=temperature)
             if group.rotated:
                 device.copy_slots_rotated(*(np.concatenate(part) for part in zip(*group.rotated)))
         finally:

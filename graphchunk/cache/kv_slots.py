@@ -12,7 +12,7 @@ unused pool slot (``KVSlotMap.verify``). Offsets are relative to a layer's first
 hold for every layer of any layout. When, as for every backend seen so far, each of K and V is an
 affine (strided) map of (block, offset, head, dim), copies run as strided slice copies over all
 layers at once, one per run of slots that are consecutive on both sides; otherwise as flat
-element gathers. Blend mode's copies move keys to another position (``copy_slots_rotated``): K is
+element gathers. Isolated mode's key temperature divides K as it is copied (V as is). Blend mode's copies move keys to another position (``copy_slots_rotated``): K is
 gathered for all layers and tokens at once, rotated (``rope.KeyRotation``) and scattered; V is
 copied as is.
 """
@@ -148,20 +148,36 @@ class KVCopier:
                 views.append(cache.as_strided(shape, strides, cache.storage_offset() + first))
         return views
 
-    def copy_slots(self, src: np.ndarray, dst: np.ndarray) -> None:
+    def copy_slots(self, src: np.ndarray, dst: np.ndarray, key_temperature: float = 1.0) -> None:
+        """Copies every layer's K and V of slots ``src`` to ``dst``; keys divided by ``key_temperature``
+        (isolated mode's temperature) unless it is 1, when the elements move unchanged."""
         if self.views is None:
-            src_off, dst_off = (self.slot_map.offsets(s).to(self.caches[0].device) for s in (src, dst))
+            device = self.caches[0].device
+            if key_temperature == 1:
+                src_off, dst_off = (self.slot_map.offsets(s).to(device) for s in (src, dst))
+            else:
+                src_off, dst_off = (self.slot_map.offsets(s).view(len(s), 2, -1)[:, 1].flatten().to(device)
+                                    for s in (src, dst))  # V here, K below
+                k_src, k_dst = (self.slot_map.key_offsets(s).flatten().to(device) for s in (src, dst))
             for cache in self.caches:
                 flat = _storage_view(cache)
                 flat[dst_off] = flat[src_off]
+                if key_temperature != 1:
+                    flat[k_dst] = flat[k_src] / key_temperature
             return
-        self._copy_runs(src, dst, self.views)
+        if key_temperature == 1:
+            self._copy_runs(src, dst, self.views)
+            return
+        half = len(self.views) // 2
+        self._copy_runs(src, dst, self.views[half:])
+        self._copy_runs(src, dst, self.views[:half], key_temperature)
 
-    def _copy_runs(self, src: np.ndarray, dst: np.ndarray, views: list[torch.Tensor]) -> None:
+    def _copy_runs(self, src: np.ndarray, dst: np.ndarray, views: list[torch.Tensor], divisor: float = 1.0) -> None:
         bs = self.slot_map.block_size
         for s, d, n in consecutive_runs(src, dst, block_size=bs):
             for view in views:
-                view[..., d // bs, d % bs:d % bs + n, :, :] = view[..., s // bs, s % bs:s % bs + n, :, :]
+                moved = view[..., s // bs, s % bs:s % bs + n, :, :]
+                view[..., d // bs, d % bs:d % bs + n, :, :] = moved if divisor == 1 else moved / divisor
 
     def copy_slots_rotated(self, src: np.ndarray, dst: np.ndarray, deltas: np.ndarray, rotation) -> None:
         """Like ``copy_slots``, each key rotated by ``deltas`` positions (``rotation``: a

@@ -9,8 +9,9 @@ computed under other segment roles, nor hands its KV to an ordinary request (DES
 The mode (``isolated`` or ``blend``, DESIGN.md §2) and blend's recompute policy are chosen per
 request through extra_args (OpenAI: ``vllm_xargs``), defaulting to the deployment's settings.
 They are validated here for every request, and a segmented request carries the *resolved*
-values to the worker (``MODE_ARG`` always; for blend also ``RECOMPUTE_ARG``, ``RATIO_ARG``,
-``TOKENS_ARG``); an ordinary request loses them (it runs as vanilla vLLM).
+values to the worker (``MODE_ARG`` always; for isolated also ``TEMPERATURE_ARG``, for blend
+``RECOMPUTE_ARG``, ``RATIO_ARG``, ``TOKENS_ARG``); an ordinary request loses them (it runs as
+vanilla vLLM).
 """
 from __future__ import annotations
 
@@ -32,13 +33,16 @@ cache_salt, for tenant isolation, and its LoRA adapter); part of every chunk key
 MODE_ARG = "graphchunk_mode"
 """extra_args / vllm_xargs key: 'isolated' or 'blend' (default: ``graphchunk.mode``)."""
 RECOMPUTE_ARG = "graphchunk_recompute"
-"""blend: recompute policy, 'none', 'cacheblend' or 'legolink' (default: ``graphchunk.recompute``)."""
+"""blend: recompute policy, 'none', 'cacheblend', 'legolink' or 'question' (default: ``graphchunk.recompute``)."""
 RATIO_ARG = "graphchunk_recompute_ratio"
-"""blend, cacheblend: share of chunk tokens recomputed, in [0, 1] (default: ``graphchunk.recompute_ratio``)."""
+"""blend, cacheblend and question: share of chunk tokens recomputed, in [0, 1] (default: ``graphchunk.recompute_ratio``)."""
 TOKENS_ARG = "graphchunk_recompute_tokens"
 """blend, legolink: tokens recomputed at each chunk's start (default: ``graphchunk.recompute_tokens``)."""
+TEMPERATURE_ARG = "graphchunk_key_temperature"
+"""isolated: the question's logits to chunk tokens divided by it, a number > 0 (default:
+``graphchunk.key_temperature``)."""
 POLICY_ARGS = (RECOMPUTE_ARG, RATIO_ARG, TOKENS_ARG)
-MODE_ARGS = (MODE_ARG, *POLICY_ARGS)
+MODE_ARGS = (MODE_ARG, TEMPERATURE_ARG, *POLICY_ARGS)
 GRAPHCHUNK_ARGS = (BOUNDARIES_ARG, *MODE_ARGS)
 """The keys a client may send."""
 
@@ -49,10 +53,13 @@ def is_graphchunk_worker(worker_cls) -> bool:
 
 
 class RequestAnnotator:
-    def __init__(self, config: GraphChunkConfig, tokenizer, blend_refusal: str | None = None):
-        """``blend_refusal``: why this model cannot serve blend requests (``rope.hf_rope_refusal``)."""
+    def __init__(self, config: GraphChunkConfig, tokenizer, blend_refusal: str | None = None,
+                 temperature_refusal: str | None = None):
+        """``blend_refusal``: why this model cannot serve blend requests (``rope.hf_rope_refusal``);
+        ``temperature_refusal``: why it cannot take a key temperature (``temperature_refusal``)."""
         self.config = config
         self.blend_refusal = blend_refusal
+        self.temperature_refusal = temperature_refusal
         self.splitter = SeparatorSplitter(tokenizer, config.separator, max_chunks=config.max_chunks,
                                           max_chunk_len=config.max_chunk_len) if config.separator else None
 
@@ -74,6 +81,7 @@ class RequestAnnotator:
         args = dict(params.extra_args or {})
         args.pop(SALT_ARG, None)
         mode, policy = resolve_mode(args, self.config, self.blend_refusal)
+        temperature = resolve_temperature(args, self.config, mode, self.temperature_refusal)
         seg = self.segment(request.prompt_token_ids, args)
         if seg is None or seg.layout.num_chunks == 0:
             for key in (BOUNDARIES_ARG, *MODE_ARGS):  # no chunks: exactly an ordinary causal prompt
@@ -86,11 +94,12 @@ class RequestAnnotator:
             raise SegmentationError("segmented prompts cannot carry multimodal inputs")
         args[BOUNDARIES_ARG] = [b for b, _ in seg.bounds[1:]]
         args[SALT_ARG] = kv_salt(request)
-        for key in POLICY_ARGS:
+        for key in (TEMPERATURE_ARG, *POLICY_ARGS):
             args.pop(key, None)
         args[MODE_ARG] = mode
         if policy is None:
-            fingerprint = layout_fingerprint(seg)
+            args[TEMPERATURE_ARG] = temperature
+            fingerprint = layout_fingerprint(seg, temperature)
         else:
             args.update({RECOMPUTE_ARG: policy.name, RATIO_ARG: float(policy.ratio), TOKENS_ARG: int(policy.tokens)})
             fingerprint = blend_fingerprint(seg, policy)
@@ -138,6 +147,33 @@ def resolve_mode(extra_args: dict, config: GraphChunkConfig,
     return mode, RecomputePolicy(name, float(ratio), tokens)
 
 
+def resolve_temperature(extra_args: dict, config: GraphChunkConfig, mode: str,
+                        refusal: str | None = None) -> float:
+    """An isolated request's key temperature (``TEMPERATURE_ARG``, default ``config.key_temperature``);
+    1.0 for blend, where sending one is an error. ``refusal``: why the model cannot take one."""
+    if TEMPERATURE_ARG not in extra_args:
+        temperature = config.key_temperature if mode == "isolated" else 1.0
+    elif mode != "isolated":
+        raise SegmentationError(f"{TEMPERATURE_ARG} only applies to isolated mode, but the request's mode is {mode!r}")
+    else:
+        temperature = extra_args[TEMPERATURE_ARG]
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
+                or not 0 < temperature < float("inf"):
+            raise SegmentationError(f"{TEMPERATURE_ARG} must be {_EXPECTED[TEMPERATURE_ARG]}, got {temperature!r}")
+    if temperature != 1 and refusal:
+        raise SegmentationError(f"{TEMPERATURE_ARG} is not available for this model: {refusal}")
+    return float(temperature)
+
+
+def temperature_refusal(hf_config) -> str | None:
+    """Why a key temperature cannot scale this model's attention logits, from its HF config; None
+    when it can. Dividing keys by T divides q.k by T only where the logits are plain dot products."""
+    config = getattr(hf_config, "get_text_config", lambda: hf_config)()
+    if getattr(config, "attn_logit_softcapping", None):
+        return "its attention logits are soft-capped (attn_logit_softcapping), so scaling keys is not a temperature"
+    return None
+
+
 @dataclass(frozen=True)
 class ChunkRequest:
     """A segmented request as the worker holds it: what ``annotate`` sent, read back."""
@@ -145,6 +181,8 @@ class ChunkRequest:
     salt: str | None
     policy: RecomputePolicy | None
     """Blend's recompute policy; None: isolated mode."""
+    key_temperature: float = 1.0
+    """Isolated mode: the question's logits to chunk tokens divided by it."""
 
 
 def chunk_request(token_ids: list[int], extra_args: dict, config: GraphChunkConfig) -> ChunkRequest | None:
@@ -156,8 +194,8 @@ def chunk_request(token_ids: list[int], extra_args: dict, config: GraphChunkConf
     seg = split_at(token_ids, boundaries, max_chunks=config.max_chunks, max_chunk_len=config.max_chunk_len)
     if not seg.layout.num_chunks:
         return None
-    _, policy = resolve_mode(extra_args, config)
-    return ChunkRequest(seg, extra_args.get(SALT_ARG), policy)
+    mode, policy = resolve_mode(extra_args, config)
+    return ChunkRequest(seg, extra_args.get(SALT_ARG), policy, resolve_temperature(extra_args, config, mode))
 
 
 def kv_salt(request) -> str | None:
@@ -167,12 +205,14 @@ def kv_salt(request) -> str | None:
     return f"{request.cache_salt or ''}|lora:{lora.lora_name}"
 
 
-def layout_fingerprint(seg: SegmentedPrompt) -> str:
+def layout_fingerprint(seg: SegmentedPrompt, key_temperature: float = 1.0) -> str:
     """Isolated mode: a segment's KV depends on its own tokens and the tokens before it in the
     sys-then-own-chunk order, and on the roles of the segments (the layout). vLLM's prefix cache
-    hashes every block together with all tokens before it, so adding the layout suffices."""
+    hashes every block together with all tokens before it, so adding the layout suffices; and
+    the key temperature the request's copied chunk keys were divided by, where it is not 1."""
     lay = seg.layout
-    return xxhash.xxh3_64_hexdigest(repr((lay.sys_len, lay.chunk_lens, lay.question_len)).encode())
+    what = (lay.sys_len, lay.chunk_lens, lay.question_len) + ((key_temperature,) if key_temperature != 1 else ())
+    return xxhash.xxh3_64_hexdigest(repr(what).encode())
 
 
 def blend_fingerprint(seg: SegmentedPrompt, policy: RecomputePolicy) -> str:
@@ -190,11 +230,14 @@ def blend_fingerprint(seg: SegmentedPrompt, policy: RecomputePolicy) -> str:
     causal tokens after the whole context, and a new question over the same documents should
     still find the whole context in vLLM's prefix cache. ``none`` and ``legolink`` do not look
     ahead, but keying them the same way keeps the rule simple and costs them nothing in the
-    common case (identical documents)."""
+    common case (identical documents). The ``question`` policy picks by the question's attention:
+    its context KV depends on the question, so its salt hashes the whole prompt (vLLM's prefix
+    cache shares its KV only between identical prompts)."""
     lay = seg.layout
     digest = xxhash.xxh3_128()
     digest.update(repr(("blend", policy.describe(), lay.sys_len, lay.chunk_lens)).encode())
-    digest.update(np.asarray(seg.token_ids[: lay.context_len], dtype=np.int64).tobytes())
+    hashed = lay.num_tokens if policy.name == "question" else lay.context_len
+    digest.update(np.asarray(seg.token_ids[:hashed], dtype=np.int64).tobytes())
     return f"blend:{policy.describe()}:{digest.hexdigest()}"
 
 
@@ -204,6 +247,7 @@ _EXPECTED = {
     RECOMPUTE_ARG: f"one of {POLICIES}",
     RATIO_ARG: "a number in [0, 1]",
     TOKENS_ARG: "an integer >= 0",
+    TEMPERATURE_ARG: "a number > 0",
 }
 
 

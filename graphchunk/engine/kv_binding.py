@@ -78,7 +78,7 @@ def bind_engine(runner, config: GraphChunkConfig, first_pool_block: int) -> Chun
     path = os.environ.get(METRICS_FILE_ENV)
     logger.info("graphchunk: chunk pool of %d blocks (%d tokens) at block ids [%d, %d)", pool.num_blocks,
                 pool.num_blocks * block_size, first_pool_block, first_pool_block + pool.num_blocks)
-    return ChunkEngine(config, metrics, cache, RunnerKV(runner, copier, blend), blend, counts,
+    return ChunkEngine(config, metrics, cache, RunnerKV(runner, copier, blend, layers), blend, counts,
                        MetricsPublisher(path) if path else None)
 
 

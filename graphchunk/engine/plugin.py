@@ -181,14 +181,15 @@ def _annotator(processor):
     if annotator is None:
         from graphchunk.blend.rope import hf_rope_refusal
         from graphchunk.config import GraphChunkConfig
-        from graphchunk.engine.frontend import RequestAnnotator, is_graphchunk_worker
+        from graphchunk.engine.frontend import RequestAnnotator, is_graphchunk_worker, temperature_refusal
 
         config = processor.vllm_config
         annotator = False
         if is_graphchunk_worker(config.parallel_config.worker_cls):
             settings = GraphChunkConfig.from_additional_config(config.additional_config)
-            annotator = RequestAnnotator(settings, processor.get_tokenizer(),
-                                         hf_rope_refusal(config.model_config.hf_config))
+            hf_config = config.model_config.hf_config
+            annotator = RequestAnnotator(settings, processor.get_tokenizer(), hf_rope_refusal(hf_config),
+                                         temperature_refusal(hf_config))
         setattr(processor, _ANNOTATOR, annotator)
     return annotator or None
 

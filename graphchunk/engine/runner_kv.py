@@ -15,6 +15,11 @@ therefore runs vLLM's plain forward (the forward context's ``skip_compiled``, vL
 its compiled call): it traces and captures nothing and replays no graph. Full-depth prefills keep
 the compiled graph.
 
+The question-aware recompute policy's scoring pass (``context_attention``) runs the question
+through vLLM's plain forward too, with a pre-hook on each attention layer recording its queries
+(hooks do not run inside a compiled graph); its attention to the context is then computed from
+those queries and the keys in the cache, as the layer's softmax would (scale, grouped heads).
+
 KV copies, key reads and the tier's block reads and writes go to ``KVCopier`` (``cache/kv_slots.py``),
 which knows the backend's layout; rotated copies need blend's key rotation (``blend_support.py``).
 """
@@ -31,11 +36,48 @@ from graphchunk.engine.blend_support import BlendSupport, first_layers
 
 
 class RunnerKV:
-    def __init__(self, runner, copier: KVCopier, blend: BlendSupport):
-        """``runner``: vLLM's model runner (its model, attention groups, config, padding buffer)."""
-        self.runner, self.copier, self.blend = runner, copier, blend
+    def __init__(self, runner, copier: KVCopier, blend: BlendSupport, layers: list[torch.nn.Module]):
+        """``runner``: vLLM's model runner (its model, attention groups, config, padding buffer);
+        ``layers``: its attention layers in model order (the copier's layer order)."""
+        self.runner, self.copier, self.blend, self.layers = runner, copier, blend, layers
 
     def prefill(self, seqs: list[PseudoSeq], num_layers: int | None = None) -> None:
+        self._forward(seqs, num_layers, plain=num_layers is not None)
+
+    def context_attention(self, seqs: list[PseudoSeq]) -> list[torch.Tensor]:
+        queries: list[torch.Tensor] = []
+
+        def record(module, args, kwargs):
+            queries.append((args[0] if args else kwargs["query"]).detach().clone())
+
+        hooks = [layer.register_forward_pre_hook(record, with_kwargs=True) for layer in self.layers]
+        try:
+            self._forward(seqs, None, plain=True)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        if len(queries) != len(self.layers):
+            raise RuntimeError(f"question-aware recompute: {len(queries)} of {len(self.layers)} attention layers ran")
+        bs = self.runner.cache_config.block_size
+        scores = [torch.zeros(s.num_cached, device=queries[0].device) for s in seqs]
+        for index, (layer, query) in enumerate(zip(self.layers, queries)):
+            query = query.view(query.shape[0], layer.num_heads, layer.head_size).float()
+            at = 0
+            for score, seq in zip(scores, seqs):
+                keys = self.copier.read_keys(index, slots_of(seq.block_ids, np.arange(len(seq.token_ids)), bs))
+                score += _attention_to_cached(query[at:at + seq.num_new], keys.float(), seq.num_cached,
+                                              layer.impl.scale)
+                at += seq.num_new
+        return [self.sum_over_ranks(score) for score in scores]
+
+    def sum_over_ranks(self, values: torch.Tensor) -> torch.Tensor:
+        from vllm.distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_reduce
+
+        return values if get_tensor_model_parallel_world_size() == 1 else tensor_model_parallel_all_reduce(values)
+
+    def _forward(self, seqs: list[PseudoSeq], num_layers: int | None, plain: bool) -> None:
+        """The model over ``seqs`` (its first ``num_layers`` layers when given); ``plain``: vLLM's
+        plain forward, not its compiled graph."""
         from vllm.forward_context import set_forward_context
         from vllm.v1.attention.backend import CommonAttentionMetadata
 
@@ -65,15 +107,15 @@ class RunnerKV:
             for name in group.layer_names:
                 attn_metadata[name], slot_by_layer[name] = metadata, common.slot_mapping
         with set_forward_context(attn_metadata, runner.vllm_config, num_tokens=num_tokens, slot_mapping=slot_by_layer,
-                                 is_padding=padding_mask(runner, num_tokens), skip_compiled=num_layers is not None), \
+                                 is_padding=padding_mask(runner, num_tokens), skip_compiled=plain), \
                 first_layers(runner.model, num_layers):
             runner.model(input_ids=to(ids), positions=to(positions), intermediate_tensors=None, inputs_embeds=None)
 
     def copy_blocks(self, src_blocks: list[int], dst_blocks: list[int]) -> None:
         self.copier.copy_blocks(src_blocks, dst_blocks)
 
-    def copy_slots(self, src_slots: np.ndarray, dst_slots: np.ndarray) -> None:
-        self.copier.copy_slots(src_slots, dst_slots)
+    def copy_slots(self, src_slots: np.ndarray, dst_slots: np.ndarray, key_temperature: float = 1.0) -> None:
+        self.copier.copy_slots(src_slots, dst_slots, key_temperature)
 
     def copy_slots_rotated(self, src_slots: np.ndarray, dst_slots: np.ndarray, deltas: np.ndarray) -> None:
         if self.blend.rotation is None:
@@ -88,6 +130,18 @@ class RunnerKV:
 
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         self.copier.write_blocks(block_ids, data)
+
+
+def _attention_to_cached(query: torch.Tensor, keys: torch.Tensor, num_cached: int, scale: float) -> torch.Tensor:
+    """Softmax attention of ``query`` [n, heads, d] (the sequence's last n tokens) over ``keys``
+    [num_cached + n, kv_heads, d], causal among the n; the probabilities on the first ``num_cached``
+    keys summed over queries and heads: [num_cached]."""
+    n = query.shape[0]
+    keys = keys.repeat_interleave(query.shape[1] // keys.shape[1], dim=1)  # query head h reads kv head h // group
+    logits = torch.einsum("qhd,khd->hqk", query, keys) * scale
+    later = torch.arange(keys.shape[0], device=keys.device)[None, :] > num_cached + torch.arange(n, device=keys.device)[:, None]
+    probs = logits.masked_fill(later, float("-inf")).softmax(dim=-1)
+    return probs[..., :num_cached].sum(dim=(0, 1))
 
 
 def padding_mask(runner, num_tokens: int) -> torch.Tensor:

@@ -53,7 +53,7 @@ def plan_step(so, requests: dict[str, ChunkRequest], choose: ChooseBucket | None
             continue
         lay = request.seg.layout
         start, end = computed[req_id], computed[req_id] + num_tokens
-        prompt = ScheduledPrompt(request.seg, request.salt, start, end, (), request.policy)
+        prompt = ScheduledPrompt(request.seg, request.salt, start, end, (), request.policy, request.key_temperature)
         own_start = prompt.compute_start()
         tokens_computed += max(0, min(end, lay.num_tokens) - max(own_start, start))
         if start < lay.context_len:  # also when own_start == start: one context token scheduled

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 
 from graphchunk.blend.rope import hf_rope_refusal
+from graphchunk.engine.frontend import temperature_refusal
 from graphchunk.cache.store import prepare_directory, weights_digest
 from graphchunk.config import ConfigError, GraphChunkConfig
 from graphchunk.engine.graph_config import vllm_graphs
@@ -78,6 +79,11 @@ def check_config(vllm_config, config: GraphChunkConfig) -> None:
         if refusal:
             raise ConfigError(f"graphchunk.mode='blend' is not available for this model: {refusal}; "
                               f"use mode 'isolated'")
+    if config.key_temperature != 1:
+        refusal = temperature_refusal(vllm_config.model_config.hf_config)
+        if refusal:
+            raise ConfigError(f"graphchunk.key_temperature={config.key_temperature} is not available for this "
+                              f"model: {refusal}")
     if config.templates:
         check_grid(vllm_config, load_grid(config.templates))
     if config.store_path:

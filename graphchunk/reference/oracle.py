@@ -3,9 +3,14 @@
 Computations that share nothing with graphchunk's serving path except ``Layout``:
 - isolated mode, the masked full forward: the whole prompt in one pass with an explicit 4D
   additive mask from ``Layout.attention_allowed`` and ``position_ids`` from ``Layout.positions``;
+- isolated mode with a key temperature T: the same forward, the attention logits of question and
+  generated tokens to chunk tokens multiplied by 1/T (``Layout.logit_scale``) inside an attention
+  function of the oracle's own (eager attention plus that factor; without T, eager attention itself);
 - isolated mode, the incremental form: every chunk prefilled as its own ``sys ‖ chunk`` sequence
   with ordinary causal attention, the KV concatenated, and the question run over it;
 - blend mode's target: the plain causal forward (``causal_generate``, no mask, positions [0, N));
+- the question-aware recompute policy's ranking (``question_attention``): HF's attention
+  probabilities of the question over the naively reused context;
 - blend mode with a given set of recomputed chunk tokens (``blend_generate``; none: naive reuse):
   sys prefilled causally, every chunk prefilled alone directly at the positions where it lands
   (no rotation involved: HF rotates at those positions itself), the recomputed tokens and the
@@ -13,6 +18,7 @@ Computations that share nothing with graphchunk's serving path except ``Layout``
 """
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -23,6 +29,10 @@ import transformers
 
 from graphchunk.layout import Layout
 from graphchunk.reference.models import LOCAL
+
+ATTENTION = "graphchunk_oracle"
+"""The oracle's attention implementation: HF's eager attention, times a per-(query, key) factor
+on the logits when a forward passes ``logit_scale``."""
 
 # Per layer (keys, values), each [batch, kv_heads, tokens, head_dim].
 LayerKV = tuple[torch.Tensor, torch.Tensor]
@@ -39,29 +49,32 @@ class Oracle:
 
     def __init__(self, model_path: str | Path, dtype: torch.dtype = torch.float32):
         self.model = transformers.AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=dtype, attn_implementation="eager", **LOCAL
+            model_path, dtype=dtype, attn_implementation=_register_attention(), **LOCAL
         ).eval()
         self.dtype = dtype
         eos = self.model.generation_config.eos_token_id
         self.eos_token_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
 
     @torch.inference_mode()
-    def prefill_logits(self, token_ids: list[int], layout: Layout) -> torch.Tensor:
+    def prefill_logits(self, token_ids: list[int], layout: Layout, key_temperature: float = 1.0) -> torch.Tensor:
         """Logits [T, vocab] (fp32) of every prompt token under the isolated mask and positions."""
         _check_length(token_ids, layout)
-        out = self._forward(token_ids, layout.positions(), layout.attention_allowed())
+        out = self._forward(token_ids, layout.positions(), layout.attention_allowed(),
+                            scale=_scale(layout, key_temperature, 0))
         return out.logits[0].float()
 
     @torch.inference_mode()
     def generate(self, token_ids: list[int], layout: Layout, max_new_tokens: int,
-                 ignore_eos: bool = False) -> OracleResult:
+                 ignore_eos: bool = False, key_temperature: float = 1.0) -> OracleResult:
         """Greedy decoding; generated token n sits at position S+M+Q+n and attends to everything
-        before it. Stops after an EOS token unless ``ignore_eos`` (as vLLM's SamplingParams)."""
+        before it. Stops after an EOS token unless ``ignore_eos`` (as vLLM's SamplingParams).
+        ``key_temperature``: question and generated tokens' logits to chunk tokens divided by it."""
         _check_length(token_ids, layout)
         if max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
         cache = transformers.DynamicCache(config=self.model.config)
-        out = self._forward(token_ids, layout.positions(), layout.attention_allowed(), cache)
+        out = self._forward(token_ids, layout.positions(), layout.attention_allowed(), cache,
+                            _scale(layout, key_temperature, 0))
         tokens = []
         while True:
             last_logits = out.logits[0, -1].float()
@@ -69,8 +82,10 @@ class Oracle:
             if len(tokens) == max_new_tokens or (tokens[-1] in self.eos_token_ids and not ignore_eos):
                 return OracleResult(tokens, last_logits)
             num_generated = len(tokens)  # the newest token is fed back; it is decode token num_generated
+            scale = _scale(layout, key_temperature, num_generated)
             out = self._forward(tokens[-1:], layout.positions(num_generated)[-1:],
-                                layout.attention_allowed(num_generated)[-1:], cache)
+                                layout.attention_allowed(num_generated)[-1:], cache,
+                                None if scale is None else scale[-1:])
 
     @torch.inference_mode()
     def incremental_last_logits(self, token_ids: list[int], layout: Layout) -> torch.Tensor:
@@ -109,6 +124,30 @@ class Oracle:
         reused KV before it and to the fresh KV of the recomputed tokens before it — what
         recomputing them under full causal attention means. Generated tokens follow at ordinary
         positions."""
+        cache, kept, fresh = self._blend_cache(token_ids, layout, recomputed)
+        new = np.array(fresh + list(range(layout.context_len, layout.num_tokens)), dtype=np.int64)
+        keys = np.concatenate([np.array(kept, dtype=np.int64), new])
+        out = self._forward([token_ids[t] for t in new], new, keys[None, :] <= new[:, None], cache)
+        return self._greedy(out, cache, layout.num_tokens, max_new_tokens)
+
+    @torch.inference_mode()
+    def question_attention(self, token_ids: list[int], layout: Layout) -> np.ndarray:
+        """The question's attention over the naively reused context (blend, nothing recomputed):
+        HF's own softmax probabilities, summed over the question's tokens, every head and every
+        layer, per context token [context_len] (what the ``question`` recompute policy ranks by)."""
+        cache, kept, _ = self._blend_cache(token_ids, layout, ())
+        question = np.arange(layout.context_len, layout.num_tokens)
+        keys = np.concatenate([np.array(kept, dtype=np.int64), question])
+        out = self.model(input_ids=torch.tensor([token_ids[layout.context_len:]]),
+                         position_ids=torch.from_numpy(question)[None],
+                         attention_mask=self._additive_mask(keys[None, :] <= question[:, None]),
+                         past_key_values=cache, use_cache=True, output_attentions=True)
+        total = sum(layer[0].float().sum(dim=(0, 1)) for layer in out.attentions)  # [keys]
+        return total[: layout.context_len].numpy().astype(np.float64)
+
+    def _blend_cache(self, token_ids: list[int], layout: Layout, recomputed: Sequence[int]):
+        """(cache, its tokens' logical indices, the recomputed tokens sorted): sys causal, every chunk
+        alone at the positions where it lands, without the ``recomputed`` tokens."""
         _check_length(token_ids, layout)
         fresh_set = {int(t) for t in recomputed}
         fresh = sorted(fresh_set)
@@ -125,11 +164,7 @@ class Oracle:
             kept += keep
         layers = [tuple(torch.cat([part[layer][which] for part in parts], dim=2) for which in (0, 1))
                   for layer in range(len(parts[0]))]
-        cache = transformers.DynamicCache(layers, config=self.model.config)
-        new = np.array(fresh + list(range(layout.context_len, layout.num_tokens)), dtype=np.int64)
-        keys = np.concatenate([np.array(kept, dtype=np.int64), new])
-        out = self._forward([token_ids[t] for t in new], new, keys[None, :] <= new[:, None], cache)
-        return self._greedy(out, cache, layout.num_tokens, max_new_tokens)
+        return transformers.DynamicCache(layers, config=self.model.config), kept, fresh
 
     def naive_reuse_generate(self, token_ids: list[int], layout: Layout,
                              max_new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
@@ -154,13 +189,15 @@ class Oracle:
         return [(layer.keys, layer.values) for layer in cache.layers]
 
     def _forward(self, token_ids: list[int], positions: np.ndarray, allowed: np.ndarray | None,
-                 cache: transformers.DynamicCache | None = None):
+                 cache: transformers.DynamicCache | None = None, scale: np.ndarray | None = None):
+        extra = {} if scale is None else {"logit_scale": torch.from_numpy(scale).to(self.dtype)[None, None]}
         return self.model(
             input_ids=torch.tensor([token_ids]),
             position_ids=torch.from_numpy(positions)[None],
             attention_mask=None if allowed is None else self._additive_mask(allowed),
             past_key_values=cache,
             use_cache=cache is not None,
+            **extra,
         )
 
     def _additive_mask(self, allowed: np.ndarray) -> torch.Tensor:
@@ -177,6 +214,38 @@ def _concat_context_kv(segment_kvs: list[list[LayerKV]], sys_len: int) -> list[L
         return torch.cat(parts, dim=2)
 
     return [(cat(layer, 0), cat(layer, 1)) for layer in range(len(segment_kvs[0]))]
+
+
+def _scale(layout: Layout, key_temperature: float, num_generated: int) -> np.ndarray | None:
+    """The logit factors [T + n, T + n] of a key temperature; None at 1 (plain eager attention)."""
+    return None if key_temperature == 1 else layout.logit_scale(key_temperature, num_generated)
+
+
+def _scaled_eager_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, logit_scale=None,
+                            **kwargs):
+    """The model's own eager attention; with ``logit_scale`` [1, 1, queries, keys], plain
+    dot-product attention whose logits q.k * scaling are multiplied by it before the mask is added
+    and the softmax taken."""
+    if logit_scale is None:
+        eager = importlib.import_module(type(module).__module__).eager_attention_forward
+        return eager(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    if getattr(module.config, "attn_logit_softcapping", None) or kwargs.get("sliding_window"):
+        raise NotImplementedError("the oracle's key temperature covers plain dot-product attention only")
+    groups = module.num_key_value_groups
+    keys, values = (x.repeat_interleave(groups, dim=1) for x in (key, value))
+    weights = torch.matmul(query, keys.transpose(2, 3)) * scaling * logit_scale
+    if attention_mask is not None:
+        weights = weights + attention_mask
+    weights = torch.nn.functional.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    return torch.matmul(weights, values).transpose(1, 2).contiguous(), weights
+
+
+def _register_attention() -> str:
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    transformers.AttentionInterface.register(ATTENTION, _scaled_eager_attention)
+    AttentionMaskInterface.register(ATTENTION, eager_mask)
+    return ATTENTION
 
 
 def _check_length(token_ids: list[int], layout: Layout) -> None:
