@@ -16,7 +16,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from graphchunk.config import GraphChunkConfig
-from graphchunk.engine.frontend import BOUNDARIES_ARG, MODE_ARG, RATIO_ARG, RECOMPUTE_ARG, TOKENS_ARG
+from graphchunk.engine.frontend import (BOUNDARIES_ARG, MODE_ARG, RATIO_ARG, RECOMPUTE_ARG, TEMPERATURE_ARG,
+                                        TOKENS_ARG)
 from graphchunk.metrics import new_metrics_file, read_published
 
 
@@ -86,12 +87,13 @@ class GraphChunkLLM:
     def generate(self, prompts=None, sampling_params=None, *, sys: str | None = None,
                  chunks: Sequence[str] | None = None, question: str | None = None, use_tqdm: bool = False,
                  mode: str | None = None, recompute: str | None = None, recompute_ratio: float | None = None,
-                 recompute_tokens: int | None = None):
+                 recompute_tokens: int | None = None, key_temperature: float | None = None):
         """vLLM's RequestOutputs for ``prompts`` (strings, token prompts or ``RagPrompt``s), or for
         the single structured prompt given by ``sys`` / ``chunks`` / ``question``.
 
-        ``mode`` ('isolated' or 'blend') and blend's ``recompute`` policy ('none', 'cacheblend',
-        'legolink'), ``recompute_ratio`` (cacheblend) and ``recompute_tokens`` (legolink) apply to
+        ``mode`` ('isolated' or 'blend'), isolated mode's ``key_temperature``, and blend's
+        ``recompute`` policy ('none', 'cacheblend', 'legolink', 'question'), ``recompute_ratio``
+        (cacheblend, question) and ``recompute_tokens`` (legolink) apply to
         every prompt of the call; None leaves the deployment's default (``graphchunk={...}``).
         Precedence, lowest first: ``sampling_params.extra_args``, these keywords, a
         ``RagPrompt``'s own ``extra``. Recompute settings need blend mode (given here, per prompt
@@ -108,7 +110,8 @@ class GraphChunkLLM:
         params = sampling_params or SamplingParams()
         per_prompt = params if isinstance(params, list) else [params] * len(prompts)
         call_args = {key: value for key, value in ((MODE_ARG, mode), (RECOMPUTE_ARG, recompute),
-                                                   (RATIO_ARG, recompute_ratio), (TOKENS_ARG, recompute_tokens))
+                                                   (RATIO_ARG, recompute_ratio), (TOKENS_ARG, recompute_tokens),
+                                                   (TEMPERATURE_ARG, key_temperature))
                      if value is not None}
         inputs, all_params = [], []
         for prompt, p in zip(prompts, per_prompt, strict=True):
@@ -125,12 +128,12 @@ class GraphChunkLLM:
 
     def chat(self, sys: str, chunks: Sequence[str], question: str, sampling_params=None, use_tqdm: bool = False,
              *, mode: str | None = None, recompute: str | None = None, recompute_ratio: float | None = None,
-             recompute_tokens: int | None = None):
+             recompute_tokens: int | None = None, key_temperature: float | None = None):
         """One assistant turn answering ``question`` from ``chunks`` under the system prompt ``sys``;
-        ``mode`` and the ``recompute*`` settings as in ``generate``."""
+        ``mode``, ``key_temperature`` and the ``recompute*`` settings as in ``generate``."""
         return self.generate(RagPrompt(sys, list(chunks), question, chat=True), sampling_params, use_tqdm=use_tqdm,
                              mode=mode, recompute=recompute, recompute_ratio=recompute_ratio,
-                             recompute_tokens=recompute_tokens)
+                             recompute_tokens=recompute_tokens, key_temperature=key_temperature)
 
     def encode(self, prompt: RagPrompt) -> tuple[list[int], list[int]]:
         """Token ids and segment boundaries (start of each chunk and of the question); see

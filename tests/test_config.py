@@ -25,7 +25,7 @@ def test_defaults_and_section():
     ({"store_bytes": 1.5}, "graphchunk.store_bytes must be int"),
     ({"host_bytes": -1}, "graphchunk.host_bytes must be >= 0"),
     ({"host_bytes": 1 << 30}, "host_bytes is the host-memory tier in front of the persistent tier: set graphchunk.store_path"),
-    ({"recompute": "all"}, r"graphchunk.recompute\*: recompute policy must be one of \('none', 'cacheblend', 'legolink'\), got 'all'"),
+    ({"recompute": "all"}, r"graphchunk.recompute\*: recompute policy must be one of \('none', 'cacheblend', 'legolink', 'question'\), got 'all'"),
     ({"recompute": 1}, "graphchunk.recompute must be str, got 1"),
     ({"recompute_ratio": 1.5}, r"recompute ratio must be a number in \[0, 1\], got 1.5"),
     ({"recompute_ratio": -0.01}, r"recompute ratio must be a number in \[0, 1\]"),
