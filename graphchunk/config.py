@@ -39,13 +39,14 @@ class GraphChunkConfig:
     """Isolated mode: the question's and generated tokens' attention logits to chunk tokens are divided
     by it (APE's attention temperature, with its scale S = 1/T: one softmax); applied to the chunk keys
     as they are copied into a request, so the pool keeps plain keys; 1 is exact isolated mode. A
-    request may override it (``graphchunk_key_temperature``)."""
+    request may override it (``graphchunk_key_temperature``). Measured in perf/results/blend_quality.json:
+    0.85 and 1.15 raise KL against full prefill over 1, so 1 is the default."""
     recompute: str = "legolink"
     """Blend mode's default recompute policy: 'none', 'cacheblend', 'legolink' or 'question' (``blend/recompute.py``);
-    LegoLink k=4 is the README's recommendation from perf/results/blend_quality.json."""
+    LegoLink k=15 is the README's recommendation from perf/results/blend_quality.json."""
     recompute_ratio: float = 0.15
     """cacheblend, question: share of chunk tokens recomputed through every layer, in [0, 1]."""
-    recompute_tokens: int = 4
+    recompute_tokens: int = 15
     """legolink: tokens recomputed at the start of every chunk."""
     check_layer: int = 1
     """cacheblend: layers [0, check_layer] are recomputed for every chunk token, and K at this layer

@@ -1,53 +1,94 @@
 """Quality and speed of every graphchunk setting against vanilla full prefill, side by side, in one run.
 
-    python perf/bench_blend.py [--prompts 8 --docs 5 --doc-tokens 200 --continuation 16 --repeats 2
+    python perf/bench_blend.py [--prompts 48 --docs 4 --doc-tokens 100 --continuation 16 --repeats 1
                                 --settings all --out perf/results/blend_quality.json
-                                --plot perf/results/blend_quality.png]     # ~17 min on 2 shared cores
-    python perf/bench_blend.py --quick --settings vanilla,isolated          # smoke run, ~2 min
+                                --plot perf/results/blend_quality.png]     # ~45 min on 2 cores
+    python perf/bench_blend.py --quick --enforce-eager --settings vanilla,isolated,isolated:0.8,none,question:0.3,cacheblend:1.0
+                                                           # CI (tests/test_bench_blend.py), ~2 min
 
-Settings (``--settings``, comma list, default all): vanilla, isolated, none, cacheblend:R, legolink:K.
+Default sizes: 48 prompts x 4 documents of ~100 tokens (~480-token prompts): the help-topic corpus
+has ~33k distinct tokens (48 x 4 documents must be distinct), and the 15 default settings take
+~3-4 s per (prompt, setting) with vLLM's compilation on: ~45 min on 2 cores. LegoLink's default
+k (5, 15, 30) are the 5/15/30 % recompute budgets of CacheBlend and ``question`` on ~100-token documents.
 
-One GraphChunkLLM engine (bundled SmolLM2-135M-Instruct, fp32, vLLM's compilation on as a user runs
-it unless --enforce-eager, vLLM prefix caching on), one retrieval task, every setting on the same
-token ids:
+Settings (``--settings``, comma list, default ``all`` = ``blend_task.DEFAULT_SETTINGS``; vanilla always
+runs, first). One GraphChunkLLM engine (bundled SmolLM2-135M-Instruct, fp32, vLLM's compilation on as
+a user runs it unless --enforce-eager, vLLM prefix caching on), every setting on the same token ids:
 
-* ``vanilla``     the prompt's token ids as an ordinary token prompt (no boundaries): full prefill,
-                  the reference;
-* ``isolated``    graphchunk's isolated mode (``graphchunk_mode: isolated``);
-* ``none`` / ``cacheblend:r`` / ``legolink:k``  blend mode (``graphchunk_mode: blend``,
-                  ``graphchunk_recompute``, ``graphchunk_recompute_ratio`` / ``_tokens``);
-                  ``cacheblend:1.0`` recomputes every chunk token and must match vanilla.
+* ``vanilla``       the prompt's token ids as an ordinary token prompt (no boundaries): full
+                    prefill, the reference;
+* ``isolated``      graphchunk's isolated mode (``graphchunk_mode: isolated``), the deployment's
+                    default key temperature; ``isolated:T`` also sends ``graphchunk_key_temperature: T``
+                    (label ``isolated T=0.8``; ``isolated:1`` sends 1.0);
+* ``none`` / ``cacheblend:R`` / ``question:R`` / ``legolink:K``  blend mode (``graphchunk_mode: blend``,
+                    ``graphchunk_recompute``, ``graphchunk_recompute_ratio`` / ``_tokens``);
+                    ``cacheblend:1.0`` recomputes every chunk token and must match vanilla.
 
-Task. Documents are CPython help-topic text (``pydoc_data.topics``, '#' removed), ~--doc-tokens
-tokens each, whole sentences. Every prompt has --docs documents; one holds the planted fact "The
-access code for the {color} {place} is {NNNN}." (at a random sentence boundary), up to
---distractors others hold the same fact for another color or place with another code. Chat form
-(``RagPrompt(sys, docs, question, chat=True)``): system = sys, user = the documents and "What is
-the access code for the {color} {place}?".
+A setting the installed library cannot serve (a recompute policy or argument it does not know) is
+not run; its row says why and the run's checks fail.
 
-Per prompt, per setting (all requests greedy; each setting has its own ``cache_salt``, so no setting
-is ever served KV another setting computed, neither by vLLM's prefix cache nor by the chunk pool):
+Tasks (``blend_task.py``). Documents are CPython help-topic text (``pydoc_data.topics``, '#'
+removed), ~--doc-tokens tokens each (0.75x..1.25x), whole sentences, every document of the run
+distinct. Every prompt has --docs documents; prompts alternate between two kinds:
 
-* warm-up: the documents in another order behind another sys prompt (graphchunk settings only):
-  afterwards every document is in the chunk pool;
-* KL:      max_tokens=1, logprobs=-1 (the whole vocabulary, vLLM's raw model logprobs);
-           kl = KL(vanilla || setting) of the first generated token's distribution, in nats;
-* forced:  the setting is fed vanilla's greedy continuation (--continuation tokens, ignore_eos) by
-           the ForceTokens logits processor (``force_tokens.py``) in one request; top-1 agreement =
-           share of steps where the setting's own argmax (raw logprobs, rank 1) equals vanilla's token;
-* answer:  free greedy generation (--answer-tokens, stops at EOS); exact match (EM) = the expected
-           4-digit code occurs in the generated text as a whole number (regex ``(?<!\\d)CODE(?!\\d)``);
-* timing (after all of the above, --repeats rounds, settings in rotated order each round): the
-  documents in yet another order behind a sys prompt never seen before (a fresh nonce at its
-  start, so vLLM's prefix cache cannot serve even its first block): every chunk is a pool hit for
-  blend, a full prefill for vanilla, and an all-miss for isolated (isolated KV depends on sys).
-  isolated also runs its own all-hit case: the warm-up's sys prompt (documents reordered, a first
-  document no earlier request with that sys had). TTFT = wall time of ``generate`` with
-  max_tokens=1; ``num_cached_tokens`` and graphchunk's counters are checked around every request.
+* ``fact`` (even prompts): one document holds "The access code for the {color} {place} is {NNNN}."
+  (at a random sentence boundary); up to --distractors others hold the same fact for another color
+  and/or place with another code. Question: "What is the access code for the {color} {place}?"
+* ``two_hop`` (odd prompts): one document holds "The {color} {place} is in building {Name}.",
+  ANOTHER document "The access code for building {Name} is {NNNN}."; distractors (one per document)
+  alternate between another color/place in another building and that building's code (a whole
+  decoy chain). Question: "What is the access code for the building where the {color} {place} is?"
+
+Chat form (``RagPrompt(sys, docs, question, chat=True)``): system = sys, user = the documents and
+the question. The result's ``tasks`` records each prompt's kind, gold document(s), facts,
+distractors and document orders.
+
+Per prompt, in this order (all requests greedy; the quality sys prompt is ``SYS_TEXT``). Cache
+salts (``blend_task.salt_of``): settings sharing a ``cache_salt`` share chunk-pool entries, and
+graphchunk's fingerprint in the request's salt keeps their vLLM prefix-cache blocks apart (blend:
+policy and parameter; isolated: key temperature). All blend settings share one (a blend chunk's
+KV is computed alone: the same for every policy); all ``isolated:T`` settings another (the pool
+keeps plain keys; T applies as they are copied into a request); vanilla and plain ``isolated``
+have their own. Checked: no graphchunk setting's forced request gets prefix-cache tokens, and the
+timed checks below.
+
+* reference: vanilla alone, --continuation tokens, ignore_eos, logprobs=-1 (the whole vocabulary at
+  every step, vLLM's raw model logprobs, flat_logprobs, no detokenization): vanilla's greedy
+  continuation and its distribution at each of its steps;
+* warm-ups, one request (max_tokens=1) per cache salt, the documents in another order (the
+  warm-up order): isolated behind the quality sys (isolated KV depends on sys, not on order),
+  blend behind a fresh sys. Afterwards every document is in the pool, so every setting's quality
+  requests are pool hits;
+* forced, one batch (one ``generate``, a request per setting, vanilla included; chunked prefill is
+  off, so every prompt's prefill runs whole in one step as when alone): each request is fed
+  vanilla's continuation by the ForceTokens logits processor (``force_tokens.py``) with
+  logprobs=-1: the setting's distribution at every step. Per step KL(vanilla || setting) in nats;
+  ``kl`` = the mean over the continuation's steps; ``kl_first`` = KL at the first answer-bearing
+  step (the first continuation token whose decoded text has a digit: where vanilla's code starts;
+  step 0 where none has, counted in ``answer_position_fallbacks``); ``kl_first_token`` = step 0;
+  ``top1_agreement`` = share of steps where the setting's argmax equals vanilla's token;
+* answer, one batch: free greedy generation per setting (--answer-tokens, stops at EOS);
+  ``exact_match`` = the expected 4-digit code occurs in the text as a whole number (regex
+  ``(?<!\\d)CODE(?!\\d)``);
+* timing (--repeats rounds, settings in an order rotated every round and prompt): the documents in
+  yet another order behind a sys prompt never seen before (a fresh nonce at its start, so vLLM's
+  prefix cache cannot serve even its first block): every chunk a pool hit for blend, a full
+  prefill for vanilla, an all-miss for isolated (isolated KV depends on sys). Isolated settings
+  also run their all-hit case: the quality sys (documents reordered, a first document no earlier
+  request with that sys had). Each timed request alone; TTFT = wall time of ``generate`` with
+  max_tokens=1; ``num_cached_tokens`` and graphchunk's counters are checked around every one.
+
+Per setting (a row of the result): each metric's mean over prompts with a 95 % percentile bootstrap
+interval (``<metric>_ci``: prompts resampled with replacement, 2000 resamples, seed 0), also
+``exact_match_delta`` (paired per prompt against vanilla) and the same per task kind (``by_task``);
+``ttft_ms`` (p50; isolated: new sys, all miss), ``ttft_ms_all_hit`` (isolated: same sys, all hit;
+else ttft_ms), each over vanilla's (``ttft_over_full_prefill``, ``ttft_all_hit_over_full_prefill``).
+The result's ``definitions`` spell each out. Checks (``failures``; exit code 1 if any): every
+forcing and counter check above, and cacheblend r=1's and vanilla's own ``kl`` at most FULL_KL_TOL.
 
 Modules: ``blend_task.py`` (settings, documents, questions, orders), ``blend_runner.py`` (the
-engine and the request loop), ``blend_metrics.py`` (KL, top-1, exact match, the result's rows,
-table and plot), ``harness.py`` (what every perf script shares).
+engine and the request loop), ``blend_metrics.py`` (KL, top-1, exact match, bootstrap, the
+result's rows, table and plot), ``harness.py`` (what every perf script shares).
 """
 from __future__ import annotations
 
@@ -62,19 +103,21 @@ from blend_runner import run
 from blend_task import DEFAULT_SETTINGS, SYS_TEXT, parse_settings
 
 REPO = H.REPO
+QUICK = dict(prompts=2, docs=3, doc_tokens=80, repeats=1, distractors=1, continuation=14)
+"""--quick's sizes (one prompt of each task kind; 14 continuation steps reach the first digit of
+both kinds' usual answers); sizes given explicitly still win."""
 
-
-# --- main -----------------------------------------------------------------------------------------
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--prompts", type=int, default=8)
-    p.add_argument("--docs", type=int, default=5, help="documents per prompt")
-    p.add_argument("--doc-tokens", type=int, default=200, help="target tokens per document (0.75x..1.25x)")
-    p.add_argument("--distractors", type=int, default=2, help="documents with a fact for another color/place")
+    p.add_argument("--prompts", type=int, default=48, help="prompts, alternating fact and two_hop")
+    p.add_argument("--docs", type=int, default=4, help="documents per prompt")
+    p.add_argument("--doc-tokens", type=int, default=100,
+                   help="target tokens per document (0.75x..1.25x); the corpus holds ~33k distinct tokens")
+    p.add_argument("--distractors", type=int, default=2, help="documents with a distractor fact")
     p.add_argument("--continuation", type=int, default=16, help="teacher-forced steps (vanilla's greedy output)")
     p.add_argument("--answer-tokens", type=int, default=24, help="free greedy tokens scored for exact match")
-    p.add_argument("--repeats", type=int, default=2, help="timed rounds per prompt")
+    p.add_argument("--repeats", type=int, default=1, help="timed rounds per prompt")
     p.add_argument("--settings", default="all", help=f"comma list; all = {DEFAULT_SETTINGS}")
     p.add_argument("--block-size", type=int, default=128, help="vLLM's CPU default")
     p.add_argument("--pool-tokens", type=int, default=0, help="0: sized from the workload")
@@ -87,18 +130,56 @@ def parse_args(argv=None):
     p.add_argument("--out", type=Path, default=REPO / "perf/results/blend_quality.json")
     p.add_argument("--replot", type=Path, default=None, help="only draw --plot again from this result JSON")
     p.add_argument("--plot", type=Path, default=REPO / "perf/results/blend_quality.png")
-    p.add_argument("--quick", action="store_true", help="tiny smoke run: 2 prompts x 3 documents of ~80 tokens, "
-                                                        "1 round (explicitly given sizes still win)")
+    p.add_argument("--quick", action="store_true", help="smoke run: " + ", ".join(f"{k} {v}" for k, v in QUICK.items())
+                   + " (explicitly given sizes still win)")
     raw = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(raw)
     if args.quick:
         given = {a.split("=")[0] for a in raw if a.startswith("--")}
-        for name, value in (("prompts", 2), ("docs", 3), ("doc_tokens", 80), ("repeats", 1), ("distractors", 1),
-                            ("answer_tokens", 16)):
+        for name, value in QUICK.items():
             if "--" + name.replace("_", "-") not in given:
                 setattr(args, name, value)
     args.settings = parse_settings(args.settings)
     return args
+
+
+def exactness_failures(result_rows: list[dict]) -> list[str]:
+    """Recomputing 100 % must be full prefill (DESIGN.md §2), and vanilla must match itself."""
+    out = []
+    for row in result_rows:
+        full = row["policy"] == "cacheblend" and row["param"] == 1.0
+        if (full or row["policy"] == "vanilla") and row["kl"] is not None and row["kl"] > FULL_KL_TOL:
+            out.append(f"{row['label']} differs from full prefill: mean KL over the continuation {row['kl']:.3g} "
+                       f"> {FULL_KL_TOL:g}")
+    return out
+
+
+def result_of(args, argv, res, result_rows, clock) -> dict:
+    device = H.device_name()
+    fallbacks = sum(r["answer_position_fallback"] for r in res["reference"])
+    return {
+        "device": device,
+        "rows": result_rows,
+        "vanilla_exact_match": result_rows[0]["exact_match"],
+        "answer_position_fallbacks": fallbacks,
+        "definitions": DEFINITIONS,
+        "config": {**H.config_dict(args, skip=("settings",)),
+                   "settings": [s.label for s in args.settings], **res["engine"],
+                   "startup_s": res["startup_s"], "prompt_tokens": res["prompt_tokens"],
+                   "doc_tokens": res["doc_tokens"], "sys_prompt": SYS_TEXT,
+                   "per_setting_cache_salt": not args.no_salt},
+        "command": H.command_line(__file__, argv),
+        "tasks": [t.record() for t in res["tasks"]],
+        "reference": res["reference"],
+        "per_prompt_s": res["per_prompt_s"],
+        "quality_batches": res["quality_batches"],
+        "checks_passed": not res["failures"],
+        "failures": res["failures"],
+        "final_stats": res["final_stats"],
+        "environment": clock.environment(),
+        "plot_title": (f"SmolLM2-135M fp32, {args.prompts} prompts (fact, two_hop) x {args.docs} docs "
+                       f"(~{args.doc_tokens} tok), {args.continuation}-token continuation; {device}"),
+    }
 
 
 def main(argv=None) -> int:
@@ -113,41 +194,23 @@ def main(argv=None) -> int:
     res = run(args, log)
     clock.mark("end")
     result_rows = rows(args, res)
-    for row in result_rows:  # recomputing 100 % must be full prefill (DESIGN.md §2)
-        if row["policy"] == "cacheblend" and row["param"] == 1.0 and row["kl"] is not None and row["kl"] > FULL_KL_TOL:
-            res["failures"].append(f"cacheblend r=1 differs from full prefill: mean KL {row['kl']:.3g} > {FULL_KL_TOL:g}")
-    device = H.device_name()
-    vanilla_row = result_rows[0]
-    result = {
-        "device": device,
-        "rows": result_rows,
-        "vanilla_exact_match": vanilla_row["exact_match"],
-        "definitions": DEFINITIONS,
-        "config": {**H.config_dict(args, skip=("settings",)),
-                   "settings": [s.label for s in args.settings], **res["engine"],
-                   "startup_s": res["startup_s"], "prompt_tokens": res["prompt_tokens"],
-                   "doc_tokens": res["doc_tokens"], "sys_prompt": SYS_TEXT,
-                   "per_setting_cache_salt": not args.no_salt},
-        "command": H.command_line(__file__, argv),
-        "tasks": [dict(index=t.index, color=t.color, place=t.place, code=t.code, gold_doc=t.gold,
-                       distractors=t.distractors, question=t.question, orders=t.orders) for t in res["tasks"]],
-        "reference": res["reference"],
-        "checks_passed": not res["failures"],
-        "failures": res["failures"],
-        "final_stats": res["final_stats"],
-        "environment": clock.environment(),
-    }
-    result["plot_title"] = (f"SmolLM2-135M fp32, {args.prompts} prompts x {args.docs} docs (~{args.doc_tokens} tok), "
-                            f"{args.continuation}-token continuation; {device}")
+    res["failures"].extend(exactness_failures(result_rows))
+    result = result_of(args, argv, res, result_rows, clock)
     H.write_json(args.out, result)
     if args.plot:
         plot(result_rows, args.plot, result["plot_title"])
 
     print_table(result_rows)
+    print(f"answer position fallbacks (no digit in vanilla's continuation): {result['answer_position_fallbacks']} "
+          f"of {len(res['reference'])} prompts")
     print(f"checks: {'passed' if not res['failures'] else 'FAILED'}")
     for failure in res["failures"][:40]:
         print(f"  {failure}")
-    print(f"wall {result['environment']['wall_s']:.0f} s; wrote {args.out}" + (f" and {args.plot}" if args.plot else ""))
+    per_prompt = res["per_prompt_s"]
+    print(f"wall {result['environment']['wall_s']:.0f} s (engine start {res['startup_s']:.0f} s, "
+          f"{sum(per_prompt) / max(1, len(per_prompt)):.1f} s per prompt, "
+          f"{sum(per_prompt) / max(1, len(per_prompt) * len(args.settings)):.2f} s per (prompt, setting)); "
+          f"wrote {args.out}" + (f" and {args.plot}" if args.plot else ""))
     return 1 if res["failures"] else 0
 
 

@@ -1,6 +1,17 @@
-"""``bench_blend.py``'s quality metrics and summary: first-token KL over the whole vocabulary,
-top-1 agreement under teacher forcing, exact match; the per-setting rows of the result file, the
-table printed at the end and the plot (quality against TTFT)."""
+"""``bench_blend.py``'s quality metrics and summary.
+
+Contract:
+
+* per request: ``step_logprobs`` (a whole-vocabulary logprobs response as [steps, vocab]),
+  ``kl_steps`` (KL(vanilla || setting) per step), ``answer_position`` (the first step whose token
+  shows a digit), ``exact_match``;
+* per setting: ``rows(args, res)`` turns ``blend_runner.run``'s per-prompt records into the result
+  file's rows: every metric of ``METRICS`` as the mean over prompts with its 95 % bootstrap
+  interval (``<metric>_ci``), per task kind too (``by_task``), and the timings;
+* ``print_table`` and ``plot`` (quality with its intervals against all-hit TTFT).
+
+``DEFINITIONS`` is what the result file says each number means.
+"""
 from __future__ import annotations
 
 import re
@@ -9,163 +20,226 @@ from pathlib import Path
 import numpy as np
 
 import harness as H
+from blend_task import TASK_KINDS
 
 FULL_KL_TOL = 1e-4
-"""cacheblend r=1 must match vanilla: mean first-token KL at most this (vanilla vs itself: ~1e-7)."""
-EM_RULE = ("exact_match = 1 if the expected 4-digit code occurs in the setting's free greedy answer "
-           "(detokenized text of at most --answer-tokens tokens, generation stopped at EOS) as a whole "
-           "number, i.e. re.search(r'(?<!\\d)CODE(?!\\d)', text); the mean over prompts")
+"""cacheblend r=1 (and vanilla against itself) must match vanilla: mean KL over the continuation at
+most this (vanilla vs itself: ~1e-7)."""
+BOOTSTRAP = dict(resamples=2000, seed=0, level=0.95)
+METRICS = ("kl", "kl_first", "kl_first_token", "top1_agreement", "exact_match", "exact_match_delta")
 DEFINITIONS = {
-    "kl": "KL(vanilla || setting) in nats of the first generated token's distribution over the whole "
-          "vocabulary (vLLM raw logprobs, logprobs=-1); kl is the mean over prompts (kl_median, kl_max too). "
-          "vanilla's own row compares two identical vanilla requests (the second mostly served by "
-          "vLLM's prefix cache): the harness noise floor",
-    "top1_agreement": "the setting is fed vanilla's greedy continuation (continuation tokens, ignore_eos) "
-                      "through the ForceTokens logits processor; share of all (prompt, step) pairs where the "
-                      "setting's own argmax (raw logprobs, rank 1) equals vanilla's token",
-    "exact_match": EM_RULE,
+    "kl": "vanilla's reference request (greedy, continuation tokens, ignore_eos, logprobs=-1: the whole "
+          "vocabulary at every step) gives its distribution at every step of its own continuation; the setting "
+          "is fed that continuation in one request (ForceTokens logits processor) with logprobs=-1; kl = "
+          "KL(vanilla || setting) in nats per step (vLLM raw logprobs), averaged over the continuation's steps, "
+          "then over prompts (kl_median, kl_max: over prompts). vanilla's own row compares two identical "
+          "vanilla requests: the harness noise floor",
+    "kl_first": "KL at the first answer-bearing step: the first continuation position whose token's decoded text "
+                "contains a digit (where vanilla's code starts); position 0 where none does "
+                "(answer_position_fallbacks counts those prompts)",
+    "kl_first_token": "KL at step 0 of the continuation (the first generated token)",
+    "top1_agreement": "share of continuation steps where the setting's argmax over its full distribution equals "
+                      "vanilla's token; per prompt, then the mean over prompts",
+    "exact_match": "1 if the expected 4-digit code occurs in the setting's free greedy answer (detokenized text "
+                   "of at most answer_tokens tokens, generation stopped at EOS) as a whole number, i.e. "
+                   "re.search(r'(?<!\\d)CODE(?!\\d)', text); the mean over prompts",
+    "exact_match_delta": "per prompt exact_match(setting) - exact_match(vanilla), paired; the mean over prompts",
+    "*_ci": "95 % percentile bootstrap interval of the mean: prompts resampled with replacement (2000 resamples, "
+            "seed 0, the same resampled prompt sets for every metric of a row); widened to contain the point "
+            "estimate where rounding puts it outside",
+    "by_task": "the same metrics and intervals over the prompts of one task kind: fact (one planted fact, "
+               "distractors for other colors/places) and two_hop (the building of a color/place in one document, "
+               "that building's code in another)",
     "same_answer_as_vanilla": "share of prompts whose free answer text equals vanilla's",
     "ttft_ms": "p50 over prompts x repeats of the wall time of generate([one prompt], max_tokens=1, greedy); "
                "documents cached (a warm-up request per prompt and setting with another sys prompt and "
                "another document order), the timed request has the documents reordered behind a sys prompt "
                "never seen before (vLLM's prefix cache serves nothing: num_cached_tokens checked == 0). "
-               "vanilla: a full prefill. isolated: see its ttft_note",
+               "vanilla: a full prefill. isolated: every chunk misses (isolated KV depends on sys)",
+    "ttft_ms_all_hit": "blend and vanilla: ttft_ms; isolated: ttft_ms_same_sys_all_hit (the warm-up's sys prompt, "
+                       "documents reordered, every chunk a pool hit)",
     "ttft_over_full_prefill": "ttft_ms over vanilla's ttft_ms, both p50s of this run (CacheBlend's includes "
-                              "its check pass)",
-    "param": "cacheblend: recompute ratio; legolink: tokens recomputed at the start of every chunk; else 0",
+                              "its check pass); ttft_all_hit_over_full_prefill likewise for ttft_ms_all_hit",
+    "param": "isolated: key temperature (plain isolated: the deployment's default, 1); cacheblend, question: "
+             "recompute ratio; legolink: tokens recomputed at the start of every chunk; else 0",
 }
 """The result file's ``definitions``: what each row's numbers mean."""
 
 
-# --- metrics --------------------------------------------------------------------------------------
+# --- per request ----------------------------------------------------------------------------------
 
-def full_logprobs(out, vocab: int) -> np.ndarray:
-    """The first generated position's logprobs over the whole vocabulary (flat_logprobs)."""
+def step_logprobs(out, vocab: int) -> np.ndarray:
+    """Every generated position's logprobs over the whole vocabulary (flat_logprobs), [steps, vocab]."""
     lp = out.outputs[0].logprobs
-    s, e = lp.start_indices[0], lp.end_indices[0]
-    arr = np.full(vocab, -np.inf)
-    arr[np.asarray(lp.token_ids[s:e], dtype=np.int64)] = np.asarray(lp.logprobs[s:e], dtype=np.float64)
+    ids = np.asarray(lp.token_ids, dtype=np.int64)
+    vals = np.asarray(lp.logprobs, dtype=np.float64)
+    arr = np.full((len(lp.start_indices), vocab), -np.inf)
+    for j, (s, e) in enumerate(zip(lp.start_indices, lp.end_indices)):
+        arr[j, ids[s:e]] = vals[s:e]
     return arr
 
 
-def kl_divergence(ref: np.ndarray, other: np.ndarray) -> float:
+def kl_steps(ref: np.ndarray, other: np.ndarray) -> np.ndarray:
+    """KL(ref || other) in nats per row of two [steps, vocab] logprob arrays (inf where other
+    lacks a token ref has)."""
     p = np.exp(ref)
-    mask = p > 0
     with np.errstate(invalid="ignore"):
-        terms = p[mask] * (ref[mask] - other[mask])
-    return float(np.sum(terms)) if np.all(np.isfinite(terms)) else float("inf")
+        terms = np.where(p > 0, p * (ref - other), 0.0)
+    kl = terms.sum(axis=1)
+    return np.where(np.isfinite(kl), kl, np.inf)
 
 
-def step_argmaxes(out) -> list[int]:
-    """The model's own top-1 token (rank 1 of the raw logprobs) at every generated step."""
-    tops = []
-    for position in out.outputs[0].logprobs:
-        best = [tid for tid, lp in position.items() if lp.rank == 1]
-        tops.append(best[0] if best else max(position.items(), key=lambda kv: kv[1].logprob)[0])
-    return tops
+def answer_position(tokenizer, tokens: list[int]) -> tuple[int, bool]:
+    """(the first step whose token's decoded text contains a digit, whether none did and 0 stands in)."""
+    for j, tok in enumerate(tokens):
+        if any(ch.isdigit() for ch in tokenizer.decode([tok])):
+            return j, False
+    return 0, True
 
 
 def exact_match(text: str, code: str) -> bool:
     return re.search(rf"(?<!\d){code}(?!\d)", text) is not None
 
 
-# --- summary --------------------------------------------------------------------------------------
+# --- statistics -----------------------------------------------------------------------------------
+
+def bootstrap(columns: dict[str, np.ndarray], resamples: int, seed: int, level: float) -> dict:
+    """{name: mean, name_ci: [lo, hi]} for equal-length columns, from one set of resampled prompts."""
+    n = len(next(iter(columns.values()), []))
+    if n == 0:
+        return {key: None for name in columns for key in (name, name + "_ci")}
+    idx = np.random.default_rng(seed).integers(0, n, size=(resamples, n))
+    tail = 100 * (1 - level) / 2
+    out = {}
+    for name, values in columns.items():
+        mean = float(np.mean(values))
+        lo, hi = np.percentile(values[idx].mean(axis=1), [tail, 100 - tail])
+        out[name], out[name + "_ci"] = mean, [min(float(lo), mean), max(float(hi), mean)]
+    return out
+
+
+def summary(quality: list[dict], vanilla_em: dict[int, int]) -> dict:
+    """Every metric of ``METRICS`` over ``quality`` (one record per prompt) with its interval."""
+    cols = {m: np.asarray([q[m] for q in quality], dtype=float) for m in METRICS if m != "exact_match_delta"}
+    cols["exact_match_delta"] = np.asarray([q["exact_match"] - vanilla_em[q["prompt"]] for q in quality], dtype=float)
+    return {"n_prompts": len(quality), **bootstrap(cols, **BOOTSTRAP)}
+
+
+# --- rows -----------------------------------------------------------------------------------------
 
 def summed(deltas: list[dict]) -> dict:
     keys = sorted({k for d in deltas for k in d})
     return {k: int(sum(d.get(k, 0) for d in deltas)) for k in keys}
 
 
-def _stat(fn, values):
-    return float(fn(values)) if len(values) else None
+def timing(s, per: dict, full_prefill_ms: float | None) -> dict:
+    ttft = np.asarray(per["ttft"]) * 1e3
+    row = dict(ttft_ms=H.percentile(ttft, 50), ttft_p90_ms=H.percentile(ttft, 90), n_timed=int(ttft.size))
+    row["ttft_ms_all_hit"] = row["ttft_ms"]
+    if s.policy == "isolated":
+        same = np.asarray(per["ttft_same_sys"]) * 1e3
+        row.update(ttft_ms_new_sys=row["ttft_ms"], ttft_ms_same_sys_all_hit=H.percentile(same, 50),
+                   ttft_p90_ms_same_sys_all_hit=H.percentile(same, 90),
+                   ttft_ms_all_hit=H.percentile(same, 50),
+                   ttft_note="ttft_ms = ttft_ms_new_sys: documents cached under another sys prompt, the timed "
+                             "request's sys never seen, so every isolated chunk misses (sys + chunks + question "
+                             "computed); ttft_ms_all_hit = ttft_ms_same_sys_all_hit: the sys of the warm-up "
+                             "request, documents reordered, every chunk a pool hit (question computed only)")
+    row["ttft_over_full_prefill"] = H.ratio(row["ttft_ms"], full_prefill_ms)
+    row["ttft_all_hit_over_full_prefill"] = H.ratio(row["ttft_ms_all_hit"], full_prefill_ms)
+    return row
 
 
-def rows(args, res) -> list[dict]:
-    out = []
-    full_prefill_ms = H.percentile(np.asarray(res["per"][args.settings[0].label]["ttft"]) * 1e3, 50)  # vanilla's p50
-    for s in args.settings:
-        per = res["per"][s.label]
-        steps = [a for agree in per["top1"] for a in agree]
-        ttft = np.asarray(per["ttft"]) * 1e3
-        row = dict(policy=s.policy, param=s.param, label=s.label, extra_args=s.extra,
-                   kl=_stat(np.mean, per["kl"]), kl_median=_stat(np.median, per["kl"]), kl_max=_stat(np.max, per["kl"]),
-                   top1_agreement=_stat(np.mean, steps), first_token_agreement=_stat(np.mean, per["first_agree"]),
-                   exact_match=_stat(np.mean, per["em"]), same_answer_as_vanilla=_stat(np.mean, per["same_answer"]),
-                   ttft_ms=H.percentile(ttft, 50), ttft_p90_ms=H.percentile(ttft, 90),
-                   n_prompts=len(per["kl"]), n_timed=int(ttft.size), n_continuation_steps=len(steps),
-                   failed=res["broken"].get(s.label))
-        if s.policy == "isolated":
-            same = np.asarray(per["ttft_same_sys"]) * 1e3
-            row.update(ttft_ms_new_sys=row["ttft_ms"], ttft_ms_same_sys_all_hit=H.percentile(same, 50),
-                       ttft_p90_ms_same_sys_all_hit=H.percentile(same, 90),
-                       ttft_note="ttft_ms = ttft_ms_new_sys: documents cached under another sys prompt, the timed "
-                                 "request's sys never seen, so every isolated chunk misses (sys + chunks + question "
-                                 "computed); ttft_ms_same_sys_all_hit: the sys of the warm-up request, documents "
-                                 "reordered, every chunk a pool hit (question computed only)")
-        row["ttft_over_full_prefill"] = H.ratio(row["ttft_ms"], full_prefill_ms)
-        counters = {phase: summed(ds) for phase, ds in per["stats"].items() if ds}
-        timed = per["stats"]["timed"]
-        if timed:
-            counters["timed_mean_per_request"] = {k: v / len(timed) for k, v in summed(timed).items()}
-        row["counters"] = counters
-        row["counters_note"] = ("deltas of llm.stats() summed per phase: warm (one per prompt), quality (KL + "
-                                "forced + answer requests; vLLM's prefix cache serves most of the 2nd and 3rd), "
-                                "timed (all rounds, new sys)" + (", timed_same_sys" if s.policy == "isolated" else ""))
-        row["per_prompt"] = dict(kl=per["kl"], top1_agreement=[float(np.mean(a)) for a in per["top1"]],
-                                 top1_steps=per["top1"], exact_match=per["em"], answers=per["answers"],
-                                 ttft_ms=[float(x) for x in ttft], num_cached_tokens_timed=per["cached_timed"])
-        if s.policy == "isolated":
-            row["per_prompt"]["ttft_ms_same_sys_all_hit"] = [1e3 * x for x in per["ttft_same_sys"]]
-        out.append(row)
+def counters(s, per: dict) -> dict:
+    out = {phase: summed(ds) for phase, ds in per["stats"].items() if ds}
+    timed = per["stats"]["timed"]
+    if timed:
+        out["timed_mean_per_request"] = {k: v / len(timed) for k, v in summed(timed).items()}
     return out
 
 
-def plot(result_rows: list[dict], path: Path, title: str) -> None:
-    plt = H.pyplot()
-    floor = 1e-7
-    fig, (ax_kl, ax_top) = plt.subplots(2, 1, figsize=(8, 8), sharex=True)
-    for row in result_rows:
-        if row["kl"] is None or row["ttft_ms"] is None:
-            continue
-        x = row["ttft_ms"]
-        marker = {"vanilla": "*", "isolated": "s", "none": "X", "cacheblend": "o", "legolink": "^"}[row["policy"]]
-        for ax, y in ((ax_kl, max(row["kl"], floor)), (ax_top, row["top1_agreement"])):
-            ax.plot([x], [y], marker, markersize=9)
-            ax.annotate(row["label"] + (" (new sys)" if row["policy"] == "isolated" else ""), (x, y),
-                        textcoords="offset points", xytext=(5, 4), fontsize=7)
-        if row["policy"] == "isolated" and row["ttft_ms_same_sys_all_hit"] is not None:
-            x2 = row["ttft_ms_same_sys_all_hit"]
-            for ax, y in ((ax_kl, max(row["kl"], floor)), (ax_top, row["top1_agreement"])):
-                ax.plot([x2], [y], "s", mfc="none", markersize=9, color="gray")
-                ax.annotate("isolated (same sys, all hit)", (x2, y), textcoords="offset points",
-                            xytext=(5, -10), fontsize=7)
-    ax_kl.set_yscale("log")
-    ax_top.set_xscale("log")
-    ax_kl.set_ylabel(f"KL(vanilla || setting), first token, nats (floor {floor:g})")
-    ax_top.set_ylabel("top-1 agreement, teacher-forced continuation")
-    ax_top.set_xlabel("TTFT p50, ms (documents cached, unseen sys prompt)")
-    lowest = min(r["top1_agreement"] for r in result_rows if r["top1_agreement"] is not None)
-    ax_top.set_ylim(max(0.0, lowest - 0.05), 1.01)
-    for ax in (ax_kl, ax_top):
-        ax.grid(True, which="both", alpha=0.3)
-    ax_kl.set_title(title, fontsize=8)
-    H.save_figure(fig, path)
+def row_of(s, per: dict, vanilla_em: dict, full_prefill_ms, failed) -> dict:
+    quality = per["quality"]
+    kl = [q["kl"] for q in quality]
+    row = dict(policy=s.policy, param=s.param, label=s.label, extra_args=s.extra, **summary(quality, vanilla_em),
+               kl_median=H.percentile(kl, 50), kl_max=float(np.max(kl)) if kl else None,
+               same_answer_as_vanilla=float(np.mean([q["same_answer"] for q in quality])) if quality else None,
+               first_token_agreement=float(np.mean([q["top1_steps"][0] for q in quality])) if quality else None,
+               n_continuation_steps=sum(len(q["top1_steps"]) for q in quality),
+               **timing(s, per, full_prefill_ms), failed=failed)
+    row["by_task"] = {kind: summary([q for q in quality if q["kind"] == kind], vanilla_em) for kind in TASK_KINDS}
+    row["counters"] = counters(s, per)
+    row["counters_note"] = ("deltas of llm.stats() summed per phase: warm (isolated: one per prompt; blend: the "
+                            "one blend warm-up per prompt, counted under the setting that sent it), timed (new sys)"
+                            + (", timed_same_sys" if s.policy == "isolated" else "")
+                            + "; the forced and answer requests run in batches: the result's quality_batches")
+    row["per_prompt"] = {k: [q[k] for q in quality] for k in ("prompt", "kind", *METRICS[:-1], "answer",
+                                                               "kl_steps", "top1_steps")}
+    row["per_prompt"].update(ttft_ms=[1e3 * x for x in per["ttft"]], num_cached_tokens_timed=per["cached_timed"])
+    if s.policy == "isolated":
+        row["per_prompt"]["ttft_ms_same_sys_all_hit"] = [1e3 * x for x in per["ttft_same_sys"]]
+    return row
 
+
+def rows(args, res) -> list[dict]:
+    vanilla = res["per"][args.settings[0].label]
+    vanilla_em = {q["prompt"]: q["exact_match"] for q in vanilla["quality"]}
+    full_prefill_ms = H.percentile(np.asarray(vanilla["ttft"]) * 1e3, 50)
+    return [row_of(s, res["per"][s.label], vanilla_em, full_prefill_ms, res["broken"].get(s.label))
+            for s in args.settings]
+
+
+# --- table and plot -------------------------------------------------------------------------------
+
+def _ci(row: dict, name: str, fmt: str) -> str:
+    lo, hi = row[name + "_ci"]
+    return f"{row[name]:{fmt}} [{lo:{fmt}}, {hi:{fmt}}]"
 
 
 def print_table(result_rows: list[dict]) -> None:
-    print(f"\n{'setting':>20} {'KL mean':>10} {'top-1':>7} {'EM':>6} {'TTFT p50 ms':>12}  per timed request: "
-          "tokens_computed [+ blend_tokens_recomputed]")
+    print(f"\n{'setting':>18} {'KL continuation [95% CI]':>29} {'KL first answer token':>29} "
+          f"{'top-1':>19} {'exact match':>18} {'all-hit TTFT ms':>16} {'x full':>7}")
     for row in result_rows:
-        if row["kl"] is None or row["ttft_ms"] is None:
-            print(f"{row['label']:>20}  no result: {row['failed']}")
+        if not row["n_prompts"] or row["ttft_ms_all_hit"] is None:
+            print(f"{row['label']:>18}  no result: {row['failed']}")
             continue
-        mean = row["counters"].get("timed_mean_per_request", {})
-        work = "" if "tokens_computed" not in mean else f"{mean['tokens_computed']:.0f}"
-        if work and row["policy"] not in ("vanilla", "isolated") and "blend_tokens_recomputed" in mean:
-            work += f" + {mean['blend_tokens_recomputed']:.0f}"
-        print(f"{row['label']:>20} {row['kl']:>10.3g} {row['top1_agreement']:>7.3f} {row['exact_match']:>6.2f} "
-              f"{row['ttft_ms']:>12.1f}  {work}" + ("  (FAILED later)" if row["failed"] else ""))
-        if row["policy"] == "isolated" and row["ttft_ms_same_sys_all_hit"] is not None:
-            print(f"{'isolated same sys':>20} {'':>10} {'':>7} {'':>6} {row['ttft_ms_same_sys_all_hit']:>12.1f}  "
-                  "(all hit)")
+        print(f"{row['label']:>18} {_ci(row, 'kl', '8.3g'):>29} {_ci(row, 'kl_first', '8.3g'):>29} "
+              f"{_ci(row, 'top1_agreement', '.3f'):>19} {_ci(row, 'exact_match', '.2f'):>18} "
+              f"{row['ttft_ms_all_hit']:>16.1f} {row['ttft_all_hit_over_full_prefill'] or 0:>7.2f}"
+              + ("  (FAILED later)" if row["failed"] else ""))
+
+
+MARKERS = {"vanilla": "*", "isolated": "s", "none": "X", "cacheblend": "o", "question": "D", "legolink": "^"}
+
+
+def plot(result_rows: list[dict], path: Path, title: str) -> None:
+    """Three panels against all-hit TTFT (log x): KL over the continuation (log y), top-1 agreement,
+    exact match; 95 % intervals as error bars; marker and colour by policy."""
+    plt = H.pyplot()
+    floor = 1e-8
+    fig, axes = plt.subplots(3, 1, figsize=(9, 11), sharex=True)
+    panels = (("kl", "KL(vanilla || setting), mean over continuation, nats", True),
+              ("top1_agreement", "top-1 agreement, teacher-forced continuation", False),
+              ("exact_match", "exact match", False))
+    colors = {p: f"C{i}" for i, p in enumerate(MARKERS)}
+    shown = set()
+    for row in result_rows:
+        if not row["n_prompts"] or row["ttft_ms_all_hit"] is None:
+            continue
+        x, policy = row["ttft_ms_all_hit"], row["policy"]
+        for ax, (name, _, log) in zip(axes, panels):
+            y = max(row[name], floor) if log else row[name]
+            lo, hi = (max(v, floor) for v in row[name + "_ci"]) if log else row[name + "_ci"]
+            ax.errorbar([x], [y], yerr=[[y - lo], [hi - y]], fmt=MARKERS[policy], color=colors[policy], markersize=8,
+                        capsize=3, label=policy if (ax is axes[0] and policy not in shown) else None)
+            ax.annotate(row["label"], (x, y), textcoords="offset points", xytext=(5, 4), fontsize=6)
+        shown.add(policy)
+    for ax, (_, label, log) in zip(axes, panels):
+        ax.set_ylabel(label + (f" (floor {floor:g})" if log else ""), fontsize=8)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.set_yscale("log") if log else ax.set_ylim(-0.03, 1.03)
+    axes[-1].set_xscale("log")
+    axes[-1].set_xlabel("TTFT p50, ms, all documents cached (isolated: same sys, all hit; vanilla: full prefill)")
+    axes[0].legend(fontsize=7, loc="best")
+    axes[0].set_title(title + "; bars: 95 % bootstrap intervals over prompts", fontsize=8)
+    H.save_figure(fig, path)

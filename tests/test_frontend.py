@@ -114,9 +114,9 @@ COOL_CONFIG = GraphChunkConfig(max_chunks=4, max_chunk_len=64, key_temperature=0
     (COOL_CONFIG, {}, {MODE_ARG: "isolated", TEMPERATURE_ARG: 0.8}),
     (COOL_CONFIG, {TEMPERATURE_ARG: 1}, {MODE_ARG: "isolated", TEMPERATURE_ARG: 1.0}),
     (None, {MODE_ARG: "blend"},
-     {MODE_ARG: "blend", RECOMPUTE_ARG: "legolink", RATIO_ARG: 0.15, TOKENS_ARG: 4}),
+     {MODE_ARG: "blend", RECOMPUTE_ARG: "legolink", RATIO_ARG: 0.15, TOKENS_ARG: 15}),
     (None, {MODE_ARG: "blend", RECOMPUTE_ARG: "cacheblend", RATIO_ARG: 1},
-     {MODE_ARG: "blend", RECOMPUTE_ARG: "cacheblend", RATIO_ARG: 1.0, TOKENS_ARG: 4}),
+     {MODE_ARG: "blend", RECOMPUTE_ARG: "cacheblend", RATIO_ARG: 1.0, TOKENS_ARG: 15}),
     (None, {MODE_ARG: "blend", RECOMPUTE_ARG: "legolink", TOKENS_ARG: 2},
      {MODE_ARG: "blend", RECOMPUTE_ARG: "legolink", RATIO_ARG: 0.15, TOKENS_ARG: 2}),
     (BLEND_CONFIG, {}, {MODE_ARG: "blend", RECOMPUTE_ARG: "legolink", RATIO_ARG: 0.3, TOKENS_ARG: 7}),
@@ -209,7 +209,7 @@ def test_blend_salt_follows_context_and_policy(tokenizer):
     assert blend.startswith("tenant|graphchunk:") and blend != isolated
     # Identical requests (defaults resolved or spelled out) share it: prefix-cache hits stay possible.
     assert annotated(tokenizer, **{MODE_ARG: "blend"}).cache_salt == blend
-    assert annotated(tokenizer, **{MODE_ARG: "blend", RECOMPUTE_ARG: "legolink", TOKENS_ARG: 4}).cache_salt == blend
+    assert annotated(tokenizer, **{MODE_ARG: "blend", RECOMPUTE_ARG: "legolink", TOKENS_ARG: 15}).cache_salt == blend
     cacheblend = {MODE_ARG: "blend", RECOMPUTE_ARG: "cacheblend"}
     assert annotated(tokenizer, **cacheblend, **{RATIO_ARG: 1}).cache_salt == \
         annotated(tokenizer, **cacheblend, **{RATIO_ARG: 1.0}).cache_salt

@@ -42,7 +42,7 @@ class RecomputePolicy:
     name: str = "legolink"
     ratio: float = 0.15
     """cacheblend, question: share of chunk tokens recomputed through every layer, in [0, 1]."""
-    tokens: int = 4
+    tokens: int = 15
     """legolink: tokens recomputed at the start of every chunk."""
 
     def __post_init__(self):

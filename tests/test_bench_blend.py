@@ -1,0 +1,95 @@
+"""CI-sized run of ``perf/bench_blend.py`` (``--quick``): the benchmark that decides works end to end.
+
+One subprocess, as a user runs it: ``--quick`` (2 prompts, one ``fact`` and one ``two_hop`` task, 3
+documents of ~80 tokens, a 14-token continuation) with vanilla, isolated, blend none and cacheblend
+r=1, isolated at a key temperature and the question-aware policy, ``--enforce-eager`` (vLLM's compile would take longer than the run). Asserts that it exits 0
+with its checks passed, that every setting has a row over every prompt with each metric and its 95 %
+bootstrap interval around it (overall and per task kind), and that the exactness anchors hold:
+vanilla against itself and cacheblend r=1 against vanilla stay below ``FULL_KL_TOL``. Quality and
+timings are not asserted (two prompts decide nothing).
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "perf"))
+
+from blend_metrics import FULL_KL_TOL, METRICS  # noqa: E402
+from blend_task import TASK_KINDS  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+SETTINGS = ["vanilla", "isolated", "isolated T=0.8", "blend none", "question r=0.3", "cacheblend r=1"]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench_blend")
+    cmd = [sys.executable, str(REPO / "perf/bench_blend.py"), "--quick", "--enforce-eager",
+           "--settings", "vanilla,isolated,isolated:0.8,none,question:0.3,cacheblend:1.0", "--out", str(out / "blend.json"),
+           "--plot", str(out / "blend.png")]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
+    print(proc.stdout)
+    result = json.loads((out / "blend.json").read_text()) if (out / "blend.json").exists() else None
+    return proc, result, out
+
+
+def _tail(proc) -> str:
+    return f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+
+
+def test_exits_0_with_checks_passed(run):
+    proc, result, out = run
+    assert proc.returncode == 0, _tail(proc)
+    assert result["checks_passed"] and not result["failures"], result["failures"]
+    assert (out / "blend.png").stat().st_size > 0
+
+
+def test_every_setting_has_every_prompt(run):
+    _, result, _ = run
+    n = result["config"]["prompts"]
+    assert n == 2 and result["config"]["enforce_eager"] is True
+    assert [row["label"] for row in result["rows"]] == SETTINGS
+    for row in result["rows"]:
+        assert row["n_prompts"] == n and not row["failed"], row["label"]
+        assert len(row["per_prompt"]["kl"]) == n and row["ttft_ms"] > 0 and row["ttft_ms_all_hit"] > 0
+
+
+def _check_interval(where: str, stats: dict) -> None:
+    for metric in METRICS:
+        value, ci = stats[metric], stats[metric + "_ci"]
+        assert value is not None and len(ci) == 2, (where, metric, stats)
+        assert ci[0] <= value <= ci[1], (where, metric, value, ci)
+
+
+def test_every_metric_has_its_interval(run):
+    _, result, _ = run
+    for row in result["rows"]:
+        _check_interval(row["label"], row)
+        for kind in TASK_KINDS:
+            assert row["by_task"][kind]["n_prompts"] == 1, (row["label"], kind)
+            _check_interval(f"{row['label']} {kind}", row["by_task"][kind])
+        assert 0 <= row["top1_agreement"] <= 1 and 0 <= row["exact_match"] <= 1
+
+
+def test_both_task_kinds_with_gold_documents(run):
+    _, result, _ = run
+    tasks = result["tasks"]
+    assert sorted(t["kind"] for t in tasks) == sorted(TASK_KINDS)
+    for t in tasks:
+        assert len(t["gold_docs"]) == (2 if t["kind"] == "two_hop" else 1), t
+        assert len(set(t["gold_docs"])) == len(t["gold_docs"]), t
+        assert t["distractors"] and all(d["doc"] not in t["gold_docs"] for d in t["distractors"]), t
+
+
+def test_full_recompute_and_vanilla_match_full_prefill(run):
+    _, result, _ = run
+    rows = {row["label"]: row for row in result["rows"]}
+    assert abs(rows["vanilla"]["kl"]) < FULL_KL_TOL, rows["vanilla"]["per_prompt"]["kl"]
+    assert abs(rows["cacheblend r=1"]["kl"]) < FULL_KL_TOL, rows["cacheblend r=1"]["per_prompt"]["kl"]
