@@ -72,7 +72,7 @@ class GraphChunkConfig:
                 raise ConfigError(f"graphchunk.{name} must be {what}, got {value!r}")
         for name in ("recompute_ratio", "key_temperature"):  # 1 and 1.0 are one setting
             object.__setattr__(self, name, float(getattr(self, name)))
-        if not 0 < self.key_temperature < float("inf"):
+        if not valid_key_temperature(self.key_temperature):
             raise ConfigError(f"graphchunk.key_temperature must be a number > 0, got {self.key_temperature!r}")
         for name in ("max_chunks", "max_chunk_len", "pool_tokens", "store_bytes"):
             if getattr(self, name) < 1:
@@ -118,6 +118,11 @@ class GraphChunkConfig:
         if not isinstance(section, dict):
             raise ConfigError(f"additional_config['graphchunk'] must be a dict, got {section!r}")
         return cls.from_dict(section)
+
+
+def valid_key_temperature(value) -> bool:
+    """A key temperature is a number > 0 (finite; a bool is not a number here)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf")
 
 
 _TYPES = {"separator": str, "max_chunks": int, "max_chunk_len": int, "pool_tokens": int, "eviction": str,

@@ -87,15 +87,19 @@ class Layout:
         question and generated tokens: everything before them.
         """
         k = self.num_chunks
-        seg = np.concatenate([self.segment_ids(), np.full(num_generated, k + 1, np.int64)])
-        causal = np.tril(np.ones((seg.size, seg.size), dtype=bool))
-        qi, kj = seg[:, None], seg[None, :]
+        qi, kj = self._query_key_segments(num_generated)
+        causal = np.tril(np.ones((qi.size, qi.size), dtype=bool))
         return causal & ((kj == 0) | (kj == qi) | (qi == k + 1))
 
     def logit_scale(self, key_temperature: float, num_generated: int = 0) -> np.ndarray:
         """Float [T, T] factor on attention logits (isolated mode's key temperature): 1 / T where a
         question or generated token attends a chunk token, 1 elsewhere (sys, own chunk, question)."""
         k = self.num_chunks
-        seg = np.concatenate([self.segment_ids(), np.full(num_generated, k + 1, np.int64)])
-        qi, kj = seg[:, None], seg[None, :]
+        qi, kj = self._query_key_segments(num_generated)
         return np.where((qi == k + 1) & (kj >= 1) & (kj <= k), 1.0 / key_temperature, 1.0)
+
+    def _query_key_segments(self, num_generated: int) -> tuple[np.ndarray, np.ndarray]:
+        """Segment ids of the prompt and ``num_generated`` decode tokens (which belong to the
+        question), as a query column [T, 1] and a key row [1, T]."""
+        seg = np.concatenate([self.segment_ids(), np.full(num_generated, self.num_chunks + 1, np.int64)])
+        return seg[:, None], seg[None, :]

@@ -86,6 +86,10 @@ class KVSlotMap:
         blocks, within = slots // self.block_size, slots % self.block_size
         return (self.coords.reshape(self.block_size, -1)[within] + blocks[:, None] * self.block_stride).flatten()
 
+    def value_offsets(self, slots: np.ndarray) -> torch.Tensor:
+        """Flat storage offsets [n * heads * head_size] of the values of the given slots."""
+        return self.offsets(slots).view(len(slots), 2, -1)[:, 1].flatten()
+
     def key_offsets(self, slots: np.ndarray) -> torch.Tensor:
         """Flat storage offsets [n, heads, head_size] of the keys of the given slots."""
         slots = torch.from_numpy(np.asarray(slots, np.int64))
@@ -156,8 +160,7 @@ class KVCopier:
             if key_temperature == 1:
                 src_off, dst_off = (self.slot_map.offsets(s).to(device) for s in (src, dst))
             else:
-                src_off, dst_off = (self.slot_map.offsets(s).view(len(s), 2, -1)[:, 1].flatten().to(device)
-                                    for s in (src, dst))  # V here, K below
+                src_off, dst_off = (self.slot_map.value_offsets(s).to(device) for s in (src, dst))  # K below
                 k_src, k_dst = (self.slot_map.key_offsets(s).flatten().to(device) for s in (src, dst))
             for cache in self.caches:
                 flat = _storage_view(cache)
@@ -186,8 +189,7 @@ class KVCopier:
         deltas = torch.from_numpy(np.asarray(deltas, np.int64))
         if self.views is None:
             src_off, dst_off = (self.slot_map.key_offsets(s).to(self.caches[0].device) for s in (src, dst))
-            v_src, v_dst = (self.slot_map.offsets(s).view(len(s), 2, -1)[:, 1].flatten().to(self.caches[0].device)
-                            for s in (src, dst))
+            v_src, v_dst = (self.slot_map.value_offsets(s).to(self.caches[0].device) for s in (src, dst))
             for cache in self.caches:
                 flat = _storage_view(cache)
                 flat[dst_off] = rotation.rotate(flat[src_off], deltas)

@@ -22,7 +22,7 @@ import numpy as np
 import xxhash
 
 from graphchunk.blend.recompute import POLICIES, RecomputePolicy
-from graphchunk.config import MODES, GraphChunkConfig
+from graphchunk.config import MODES, GraphChunkConfig, valid_key_temperature
 from graphchunk.segments import SegmentationError, SegmentedPrompt, SeparatorSplitter, split_at
 
 BOUNDARIES_ARG = "graphchunk_boundaries"
@@ -157,8 +157,7 @@ def resolve_temperature(extra_args: dict, config: GraphChunkConfig, mode: str,
         raise SegmentationError(f"{TEMPERATURE_ARG} only applies to isolated mode, but the request's mode is {mode!r}")
     else:
         temperature = extra_args[TEMPERATURE_ARG]
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
-                or not 0 < temperature < float("inf"):
+        if not valid_key_temperature(temperature):
             raise SegmentationError(f"{TEMPERATURE_ARG} must be {_EXPECTED[TEMPERATURE_ARG]}, got {temperature!r}")
     if temperature != 1 and refusal:
         raise SegmentationError(f"{TEMPERATURE_ARG} is not available for this model: {refusal}")

@@ -16,9 +16,9 @@ from __future__ import annotations
 import logging
 
 from graphchunk.blend.rope import hf_rope_refusal
-from graphchunk.engine.frontend import temperature_refusal
 from graphchunk.cache.store import prepare_directory, weights_digest
 from graphchunk.config import ConfigError, GraphChunkConfig
+from graphchunk.engine.frontend import temperature_refusal
 from graphchunk.engine.graph_config import vllm_graphs
 from graphchunk.engine.model_runner import chunk_runner_class
 from graphchunk.graphs.buckets import BucketGrid, load_grid

@@ -138,10 +138,8 @@ class Oracle:
         cache, kept, _ = self._blend_cache(token_ids, layout, ())
         question = np.arange(layout.context_len, layout.num_tokens)
         keys = np.concatenate([np.array(kept, dtype=np.int64), question])
-        out = self.model(input_ids=torch.tensor([token_ids[layout.context_len:]]),
-                         position_ids=torch.from_numpy(question)[None],
-                         attention_mask=self._additive_mask(keys[None, :] <= question[:, None]),
-                         past_key_values=cache, use_cache=True, output_attentions=True)
+        out = self._forward(token_ids[layout.context_len:], question, keys[None, :] <= question[:, None], cache,
+                            output_attentions=True)
         total = sum(layer[0].float().sum(dim=(0, 1)) for layer in out.attentions)  # [keys]
         return total[: layout.context_len].numpy().astype(np.float64)
 
@@ -189,8 +187,11 @@ class Oracle:
         return [(layer.keys, layer.values) for layer in cache.layers]
 
     def _forward(self, token_ids: list[int], positions: np.ndarray, allowed: np.ndarray | None,
-                 cache: transformers.DynamicCache | None = None, scale: np.ndarray | None = None):
-        extra = {} if scale is None else {"logit_scale": torch.from_numpy(scale).to(self.dtype)[None, None]}
+                 cache: transformers.DynamicCache | None = None, scale: np.ndarray | None = None,
+                 output_attentions: bool = False):
+        extra = {"output_attentions": True} if output_attentions else {}
+        if scale is not None:
+            extra["logit_scale"] = torch.from_numpy(scale).to(self.dtype)[None, None]
         return self.model(
             input_ids=torch.tensor([token_ids]),
             position_ids=torch.from_numpy(positions)[None],
