@@ -19,6 +19,7 @@ import xxhash
 from pydoc_data.topics import topics
 
 from exactness import LIMITS, assert_matches_oracle, assert_matches_reference, blend_reference, sampling
+from graphchunk.config import GraphChunkConfig
 from graphchunk.llm import RagPrompt
 from graphchunk.reference import models
 from graphchunk.reference.oracle import Oracle
@@ -94,7 +95,8 @@ def server_b(tiny, store, server_a):
 
 def run(llm, oracle, prompt: RagPrompt, salt: str | None = None) -> dict[str, float]:
     """Generates ``prompt`` (with ``cache_salt``), checks it against the oracle (isolated: the
-    masked reference; blend: LegoLink's), returns how the counters moved."""
+    masked reference; blend: LegoLink's, with the request's token count or the default's), returns
+    how the counters moved."""
     ids, boundaries = llm.encode(prompt)
     params = sampling()
     params.extra_args = {**(params.extra_args or {}), **prompt.extra, "graphchunk_boundaries": boundaries}
@@ -104,7 +106,8 @@ def run(llm, oracle, prompt: RagPrompt, salt: str | None = None) -> dict[str, fl
     after = llm.stats()
     seg = split_at(ids, boundaries, **LIMITS)
     if prompt.extra.get("graphchunk_mode") == "blend":
-        assert_matches_reference(output, blend_reference(oracle, seg, "legolink:4"), "blend")
+        k = prompt.extra.get("graphchunk_recompute_tokens", GraphChunkConfig().recompute_tokens)
+        assert_matches_reference(output, blend_reference(oracle, seg, f"legolink:{k}"), "blend")
     else:
         assert_matches_oracle(output, seg, oracle)
     return {name: after[name] - before[name] for name in after}
