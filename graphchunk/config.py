@@ -22,7 +22,8 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class GraphChunkConfig:
     separator: str = "##"
-    """Text that splits a prompt into sys / chunks / question; '' turns separator detection off."""
+    """Text that splits a prompt into sys / chunks / question where it stands as a word of its own
+    inside a line (``segments``: never a Markdown heading); '' turns separator detection off."""
     max_chunks: int = 32
     """Most chunks one prompt may have."""
     max_chunk_len: int = 2048
@@ -77,6 +78,9 @@ class GraphChunkConfig:
         for name in ("max_chunks", "max_chunk_len", "pool_tokens", "store_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"graphchunk.{name} must be >= 1, got {getattr(self, name)}")
+        if self.separator and not self.separator.strip():
+            raise ConfigError(f"graphchunk.separator must hold a non-whitespace character (or be '' for none), "
+                              f"got {self.separator!r}")
         if self.eviction not in POLICIES:
             raise ConfigError(f"graphchunk.eviction must be one of {POLICIES}, got {self.eviction!r}")
         if self.host_bytes < 0:

@@ -4,18 +4,21 @@
         out = llm.generate(sys="...", chunks=["doc 1", "doc 2"], question="...")
         print(out[0].outputs[0].text, llm.stats())
 
+        out = llm.chat([{"role": "user", "content": "..."}], documents=[{"text": "doc 1"}, {"text": "doc 2"}])
+
 Structured prompts are tokenized segment by segment and sent with explicit boundaries, so no
-separator reaches the model; plain prompts (with or without separators) go through unchanged.
+separator reaches the model; ``chat(documents=...)`` makes each document a chunk exactly as the
+OpenAI server does; plain prompts (with or without separators) go through unchanged.
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
 
 from graphchunk.config import GraphChunkConfig
+from graphchunk.documents import document_messages, hf_render, place_documents
 from graphchunk.engine.frontend import (BOUNDARIES_ARG, MODE_ARG, RATIO_ARG, RECOMPUTE_ARG, TEMPERATURE_ARG,
                                         TOKENS_ARG)
 from graphchunk.metrics import new_metrics_file, read_published
@@ -29,40 +32,36 @@ class RagPrompt:
     chunks: Sequence[str]
     question: str
     chat: bool = False
-    """Wrap the segments in the model's chat template (system; documents + question as the
-    user turn; one assistant turn follows)."""
+    """A chat turn: ``sys`` as the system message, ``question`` as the user's, ``chunks`` as its
+    documents (``graphchunk.documents``: the chat template places them, or graphchunk leads the
+    user message with them); one assistant turn follows."""
     extra: dict[str, Any] = field(default_factory=dict)
     """This prompt's ``SamplingParams.extra_args`` (e.g. ``{"graphchunk_mode": "blend"}``); they
     override the same keys given to ``generate`` / ``chat`` or in the sampling params."""
 
 
-_MARK = "\x00graphchunk-{}\x00"
-
-
 def encode_prompt(tokenizer, prompt: RagPrompt) -> tuple[list[int], list[int]]:
     """Token ids and segment boundaries (start of each chunk and of the question) of ``prompt``
     under ``tokenizer`` (a Hugging Face tokenizer): what ``GraphChunkLLM.encode`` sends, without
-    an engine."""
-    texts = chat_segments(tokenizer, prompt) if prompt.chat else [prompt.sys, *prompt.chunks, prompt.question]
-    # A chat template writes its own BOS; a plain prompt gets the tokenizer's on sys.
-    pieces = [tokenizer.encode(text, add_special_tokens=(i == 0 and not prompt.chat)) if text else []
-              for i, text in enumerate(texts)]
+    an engine. A chat prompt is the documents request ``GraphChunkLLM.chat`` and the OpenAI server
+    make of the same system prompt, chunks (as ``{"text": chunk}`` documents) and question."""
+    if prompt.chat:
+        documents = [{"text": chunk} for chunk in prompt.chunks]
+        placed = place_documents(hf_render(tokenizer), document_messages(prompt.sys, prompt.question), documents,
+                                 tokenizer, max_chunks=len(documents), max_chunk_len=1 << 62)  # the engine checks the limits
+        return placed.token_ids, placed.boundaries
+    texts = [prompt.sys, *prompt.chunks, prompt.question]
+    # A plain prompt gets the tokenizer's BOS on sys.
+    pieces = [tokenizer.encode(text, add_special_tokens=(i == 0)) if text else [] for i, text in enumerate(texts)]
     boundaries = np.cumsum([len(piece) for piece in pieces[:-1]]).tolist()
     return [t for piece in pieces for t in piece], boundaries
 
 
-def chat_segments(tokenizer, prompt: RagPrompt) -> list[str]:
-    """The chat template rendered around markers and cut there. Template text after the system
-    prompt stays with sys; after a document (the "\n\n" joining them), with that document, so a
-    document's tokens are the same wherever it appears; the assistant header, with the question."""
-    contents = [prompt.sys, *prompt.chunks, prompt.question]
-    marks = [_MARK.format(i) for i in range(len(contents))]
-    messages = [{"role": "system", "content": marks[0]}, {"role": "user", "content": "\n\n".join(marks[1:])}]
-    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    parts = re.split("|".join(map(re.escape, marks)), rendered)
-    if len(parts) != len(marks) + 1:
-        raise ValueError("the chat template does not keep the system and user messages verbatim")
-    return [parts[0] + contents[0] + parts[1]] + [c + p for c, p in zip(contents[1:], parts[2:])]
+def _mode_args(mode, recompute, recompute_ratio, recompute_tokens, key_temperature) -> dict[str, Any]:
+    """The extra_args of the per-call mode keywords that were given."""
+    return {key: value for key, value in ((MODE_ARG, mode), (RECOMPUTE_ARG, recompute), (RATIO_ARG, recompute_ratio),
+                                          (TOKENS_ARG, recompute_tokens), (TEMPERATURE_ARG, key_temperature))
+            if value is not None}
 
 
 class GraphChunkLLM:
@@ -109,10 +108,7 @@ class GraphChunkLLM:
             prompts = [prompts]
         params = sampling_params or SamplingParams()
         per_prompt = params if isinstance(params, list) else [params] * len(prompts)
-        call_args = {key: value for key, value in ((MODE_ARG, mode), (RECOMPUTE_ARG, recompute),
-                                                   (RATIO_ARG, recompute_ratio), (TOKENS_ARG, recompute_tokens),
-                                                   (TEMPERATURE_ARG, key_temperature))
-                     if value is not None}
+        call_args = _mode_args(mode, recompute, recompute_ratio, recompute_tokens, key_temperature)
         inputs, all_params = [], []
         for prompt, p in zip(prompts, per_prompt, strict=True):
             if call_args or isinstance(prompt, RagPrompt):
@@ -126,14 +122,25 @@ class GraphChunkLLM:
             all_params.append(p)
         return self.llm.generate(inputs, all_params, use_tqdm=use_tqdm)
 
-    def chat(self, sys: str, chunks: Sequence[str], question: str, sampling_params=None, use_tqdm: bool = False,
-             *, mode: str | None = None, recompute: str | None = None, recompute_ratio: float | None = None,
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = False, *, documents: list[dict] | None = None,
+             chat_template: str | None = None, chat_template_kwargs: dict[str, Any] | None = None,
+             mode: str | None = None, recompute: str | None = None, recompute_ratio: float | None = None,
              recompute_tokens: int | None = None, key_temperature: float | None = None):
-        """One assistant turn answering ``question`` from ``chunks`` under the system prompt ``sys``;
-        ``mode``, ``key_temperature`` and the ``recompute*`` settings as in ``generate``."""
-        return self.generate(RagPrompt(sys, list(chunks), question, chat=True), sampling_params, use_tqdm=use_tqdm,
-                             mode=mode, recompute=recompute, recompute_ratio=recompute_ratio,
-                             recompute_tokens=recompute_tokens, key_temperature=key_temperature)
+        """vLLM's ``LLM.chat`` for one conversation (a list of messages) or several. ``documents``
+        (e.g. ``[{"title": ..., "text": ...}]``) become one chunk each, placed and tokenized exactly
+        as the OpenAI server does for a chat completions request with the same ``documents``
+        (``graphchunk.documents``); bad documents raise ValueError naming the document. ``mode``,
+        ``key_temperature`` and the ``recompute*`` settings as in ``generate``."""
+        from vllm import SamplingParams
+
+        params = (sampling_params or SamplingParams()).clone()
+        params.extra_args = {**(params.extra_args or {}),
+                             **_mode_args(mode, recompute, recompute_ratio, recompute_tokens, key_temperature)}
+        kwargs = dict(chat_template_kwargs or {})
+        if documents is not None:
+            kwargs["documents"] = documents
+        return self.llm.chat(messages, params, use_tqdm=use_tqdm, chat_template=chat_template,
+                             chat_template_kwargs=kwargs or None)
 
     def encode(self, prompt: RagPrompt) -> tuple[list[int], list[int]]:
         """Token ids and segment boundaries (start of each chunk and of the question); see

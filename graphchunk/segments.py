@@ -10,7 +10,8 @@ Degenerate cases, each a tested, documented behaviour:
 
 ========================  ====================================================================
 no separator              ``None``: an ordinary prompt, run exactly as vanilla vLLM
-separator first           empty sys (S = 0); the chunks start at position 0
+separator first           empty sys (S = 0); the chunks start at position 0 (``" ## doc"``: the
+                          separator needs its space)
 empty chunk               explicit boundaries: dropped (it has no tokens, nothing changes);
                           separator text (consecutive separators, or only whitespace between
                           two): its tokens join the following segment
@@ -18,6 +19,15 @@ separator last            ``SegmentationError``: the question is empty
 more chunks than allowed  ``SegmentationError`` naming the count and ``max_chunks``
 chunk longer than allowed ``SegmentationError`` naming the chunk and ``max_chunk_len``
 ========================  ====================================================================
+
+What counts as a separator: the separator string (its own leading and trailing whitespace
+ignored: ``" ## "`` and ``"##"`` are one separator) standing as a word of its own inside a line:
+a space or tab right before it, whitespace or the end of the text right after it, and not the
+first word of a line (except the prompt's first line, so that ``" ## doc ## question"`` has an
+empty sys). Markdown headings (``## Title``, indented or not), ``###``/``####``, ``a##b``, ``##``
+alone on a line and indented ``## comments`` in code never count, so a Markdown document is not
+split at its headings. (C's token pasting, ``a ## b``, and an inline ``x = 1  ## note`` do count:
+send code as documents or with explicit boundaries.)
 
 BPE merges separators with their neighbours differently in context, so detection runs on text:
 each token's decoded piece gives character offsets, the separator is found in the joined text,
@@ -107,9 +117,9 @@ class SeparatorSplitter:
     """Finds a separator string in token ids, robust to how the tokenizer merged it."""
 
     def __init__(self, tokenizer, separator: str, *, max_chunks: int, max_chunk_len: int):
-        if not separator:
-            raise ValueError("separator must be a non-empty string")
-        self.separator = separator
+        if not separator.strip():
+            raise ValueError("separator must hold a non-whitespace character")
+        self.separator = separator.strip()
         self.max_chunks = max_chunks
         self.max_chunk_len = max_chunk_len
         self._pieces = token_pieces(tokenizer)
@@ -145,10 +155,15 @@ class SeparatorSplitter:
 
 
 def _find_all(text: str, needle: str) -> list[tuple[int, int]]:
+    """Where ``needle`` stands as a word of its own inside a line (the module docstring's rule)."""
     found, at = [], text.find(needle)
     while at >= 0:
-        found.append((at, at + len(needle)))
-        at = text.find(needle, at + len(needle))
+        end = at + len(needle)
+        line = text.rfind("\n", 0, at)
+        first_word = line >= 0 and not text[line + 1:at].strip()
+        if at > 0 and text[at - 1] in " \t" and (end == len(text) or text[end].isspace()) and not first_word:
+            found.append((at, end))
+        at = text.find(needle, at + 1)
     return found
 
 

@@ -41,6 +41,9 @@ TOKENS_ARG = "graphchunk_recompute_tokens"
 TEMPERATURE_ARG = "graphchunk_key_temperature"
 """isolated: the question's logits to chunk tokens divided by it, a number > 0 (default:
 ``graphchunk.key_temperature``)."""
+DOCUMENTS_KEY = "graphchunk_documents"
+"""Key of a rendered prompt dict (and the engine input made of it) carrying a documents request's
+``DocumentBoundaries`` from vLLM's renderer to ``annotate`` (``document_hooks``)."""
 POLICY_ARGS = (RECOMPUTE_ARG, RATIO_ARG, TOKENS_ARG)
 MODE_ARGS = (MODE_ARG, TEMPERATURE_ARG, *POLICY_ARGS)
 GRAPHCHUNK_ARGS = (BOUNDARIES_ARG, *MODE_ARGS)
@@ -50,6 +53,14 @@ GRAPHCHUNK_ARGS = (BOUNDARIES_ARG, *MODE_ARGS)
 def is_graphchunk_worker(worker_cls) -> bool:
     name = worker_cls if isinstance(worker_cls, str) else f"{worker_cls.__module__}.{worker_cls.__qualname__}"
     return name.startswith("graphchunk.")
+
+
+@dataclass(frozen=True)
+class DocumentBoundaries:
+    """Where a documents request's chunks start (and its question), and how many tokens its
+    prompt had when they were found."""
+    boundaries: tuple[int, ...]
+    num_tokens: int
 
 
 class RequestAnnotator:
@@ -63,8 +74,20 @@ class RequestAnnotator:
         self.splitter = SeparatorSplitter(tokenizer, config.separator, max_chunks=config.max_chunks,
                                           max_chunk_len=config.max_chunk_len) if config.separator else None
 
-    def segment(self, token_ids: list[int], extra_args: dict) -> SegmentedPrompt | None:
-        """The request's segmentation; None for an ordinary prompt. Raises ValueError on bad input."""
+    def segment(self, token_ids: list[int], extra_args: dict,
+                documents: DocumentBoundaries | None = None) -> SegmentedPrompt | None:
+        """The request's segmentation; None for an ordinary prompt. Raises ValueError on bad input.
+        A documents request (``documents``) is split where its documents are; it never runs
+        separator detection and cannot also send boundaries."""
+        if documents is not None:
+            if BOUNDARIES_ARG in extra_args:
+                raise SegmentationError(f"a request with documents cannot also send {BOUNDARIES_ARG}: "
+                                        "the documents are its chunks")
+            if len(token_ids) != documents.num_tokens:
+                raise SegmentationError("a documents request's prompt cannot be truncated "
+                                        "(truncate_prompt_tokens): its chunks would move")
+            return split_at(token_ids, list(documents.boundaries), max_chunks=self.config.max_chunks,
+                            max_chunk_len=self.config.max_chunk_len)
         if BOUNDARIES_ARG in extra_args:
             boundaries = extra_args[BOUNDARIES_ARG]
             if not isinstance(boundaries, list):
@@ -73,8 +96,9 @@ class RequestAnnotator:
                             max_chunk_len=self.config.max_chunk_len)
         return self.splitter.split(token_ids) if self.splitter else None
 
-    def annotate(self, request) -> None:
-        """Adds the segmentation to an EngineCoreRequest (in place), or leaves it ordinary."""
+    def annotate(self, request, documents: DocumentBoundaries | None = None) -> None:
+        """Adds the segmentation to an EngineCoreRequest (in place), or leaves it ordinary;
+        ``documents``: where a documents request's chunks are (``document_hooks``)."""
         params = request.sampling_params
         if params is None or request.prompt_token_ids is None:
             return
@@ -82,7 +106,7 @@ class RequestAnnotator:
         args.pop(SALT_ARG, None)
         mode, policy = resolve_mode(args, self.config, self.blend_refusal)
         temperature = resolve_temperature(args, self.config, mode, self.temperature_refusal)
-        seg = self.segment(request.prompt_token_ids, args)
+        seg = self.segment(request.prompt_token_ids, args, documents)
         if seg is None or seg.layout.num_chunks == 0:
             for key in (BOUNDARIES_ARG, *MODE_ARGS):  # no chunks: exactly an ordinary causal prompt
                 args.pop(key, None)

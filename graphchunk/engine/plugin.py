@@ -1,7 +1,7 @@
 """vLLM general plugin (entry point ``vllm.general_plugins``): hooks request processing.
 
 vLLM loads general plugins in every process; this one wraps ``InputProcessor.process_inputs``,
-for the OpenAI server ``GenerateBaseServing._with_kv_transfer_rejection_cleanup``, and
+the renderer's chat rendering for documents requests (``document_hooks``), for the OpenAI server ``GenerateBaseServing._with_kv_transfer_rejection_cleanup``, and
 ``VllmConfig._get_v2_model_runner_unsupported_features`` and ``EngineArgs.create_engine_config``
 (each idempotently), and every wrapper
 acts only for engines whose worker is graphchunk's, so installing graphchunk changes nothing for
@@ -15,6 +15,9 @@ _ANNOTATOR = "_graphchunk_annotator"
 def register() -> None:
     from vllm.v1.engine.input_processor import InputProcessor
 
+    from graphchunk.engine import document_hooks
+    from graphchunk.engine.frontend import DOCUMENTS_KEY
+
     if getattr(InputProcessor.process_inputs, "_graphchunk", False):
         return
     _export_metrics()
@@ -22,17 +25,19 @@ def register() -> None:
     RequestError = _request_error_class()
 
     def process_inputs(self, request_id, prompt, params, *args, **kwargs):
+        documents = prompt.pop(DOCUMENTS_KEY, None) if isinstance(prompt, dict) else None
         request = original(self, request_id, prompt, params, *args, **kwargs)
         annotator = _annotator(self)
         if annotator is not None:
             try:
-                annotator.annotate(request)
+                annotator.annotate(request, documents)
             except ValueError as exc:
                 raise RequestError(str(exc)) from exc
         return request
 
     process_inputs._graphchunk = True
     InputProcessor.process_inputs = process_inputs
+    document_hooks.install(RequestError)
     _guard_json_booleans()
     _select_v1_model_runner()
     _check_config_before_start()

@@ -1,0 +1,110 @@
+"""Chat requests' ``documents`` through vLLM's renderer, for graphchunk engines only.
+
+vLLM hands a chat request's documents (the ``documents`` field, or
+``chat_template_kwargs.documents``; the Python ``LLM.chat`` through ``chat_template_kwargs``) to
+the chat template in ``HfRenderer.render_messages``. For a graphchunk engine this hook renders
+them with ``documents.place_documents`` instead: the prompt comes back as token ids, one chunk
+per document, and the segment boundaries ride on the prompt dict (``DOCUMENTS_KEY``) through
+vLLM's tokenization step (``BaseRenderer._process_singleton``, which builds the engine input) to
+``InputProcessor.process_inputs``, where ``RequestAnnotator.annotate`` takes them
+(``frontend.DocumentBoundaries``). The server (``/v1/chat/completions``) and ``LLM.chat`` run
+the same code, so both produce the same tokens. Other renderers (Mistral's, DeepSeek's, ...)
+are left as they are: their documents reach the model as vLLM renders them, as ordinary
+prompts.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+from graphchunk.engine.frontend import DOCUMENTS_KEY, DocumentBoundaries
+
+_SETTINGS = "_graphchunk_document_settings"
+
+
+def install(request_error: type) -> None:
+    from vllm.renderers.base import BaseRenderer
+    from vllm.renderers.hf import HfRenderer
+
+    if getattr(HfRenderer.render_messages, "_graphchunk", False):
+        return
+    render_messages = HfRenderer.render_messages
+
+    def render_with_documents(self, messages, params):
+        settings = _settings(self)
+        documents = params.chat_template_kwargs.get("documents")
+        if settings is None or not documents:
+            return render_messages(self, messages, params)
+        try:
+            return _render(self, render_messages, messages, params, documents, settings)
+        except ValueError as exc:
+            raise request_error(str(exc)) from exc
+
+    async def render_with_documents_async(self, messages, params):
+        if _settings(self) is None or not params.chat_template_kwargs.get("documents"):
+            return await render_messages_async(self, messages, params)
+        return await asyncio.to_thread(render_with_documents, self, messages, params)
+
+    render_messages_async = HfRenderer.render_messages_async
+    for name, fn in (("render_messages", render_with_documents),
+                     ("render_messages_async", render_with_documents_async)):
+        fn._graphchunk = True
+        setattr(HfRenderer, name, fn)
+    _carry_through(BaseRenderer)
+
+
+def _render(renderer, render_messages, messages, params, documents, settings):
+    from graphchunk.documents import place_documents
+
+    conversations = []
+
+    def render(msgs, docs):
+        kwargs = {key: value for key, value in params.chat_template_kwargs.items() if key != "documents"}
+        if docs is not None:
+            kwargs["documents"] = docs
+        conversation, prompt = render_messages(renderer, msgs, dataclasses.replace(params, chat_template_kwargs=kwargs))
+        if prompt.get("multi_modal_data") or not isinstance(prompt.get("prompt"), str):
+            raise ValueError("documents requests cannot carry images or other non-text inputs")
+        conversations.append(conversation)
+        return prompt["prompt"]
+
+    placed = place_documents(render, messages, documents, renderer.get_tokenizer(),
+                             max_chunks=settings.max_chunks, max_chunk_len=settings.max_chunk_len)
+    prompt = {"prompt_token_ids": placed.token_ids, "prompt": placed.text,
+              DOCUMENTS_KEY: DocumentBoundaries(tuple(placed.boundaries), len(placed.token_ids))}
+    return conversations[-1], prompt
+
+
+def _carry_through(base) -> None:
+    """The boundaries from the tokens prompt to the engine input it becomes."""
+    process, process_async = base._process_singleton, base._process_singleton_async
+
+    def _process_singleton(self, prompt, **kwargs):
+        carried = prompt.pop(DOCUMENTS_KEY, None) if isinstance(prompt, dict) else None
+        engine_input = process(self, prompt, **kwargs)
+        if carried is not None:
+            engine_input[DOCUMENTS_KEY] = carried
+        return engine_input
+
+    async def _process_singleton_async(self, prompt, **kwargs):
+        carried = prompt.pop(DOCUMENTS_KEY, None) if isinstance(prompt, dict) else None
+        engine_input = await process_async(self, prompt, **kwargs)
+        if carried is not None:
+            engine_input[DOCUMENTS_KEY] = carried
+        return engine_input
+
+    base._process_singleton, base._process_singleton_async = _process_singleton, _process_singleton_async
+
+
+def _settings(renderer):
+    """The engine's GraphChunkConfig, or None when its worker is not graphchunk's."""
+    settings = getattr(renderer, _SETTINGS, None)
+    if settings is None:
+        from graphchunk.config import GraphChunkConfig
+        from graphchunk.engine.frontend import is_graphchunk_worker
+
+        config = renderer.config
+        settings = (GraphChunkConfig.from_additional_config(config.additional_config)
+                    if is_graphchunk_worker(config.parallel_config.worker_cls) else False)
+        setattr(renderer, _SETTINGS, settings)
+    return settings or None

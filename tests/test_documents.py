@@ -1,0 +1,166 @@
+"""Documents as chunks (``graphchunk.documents``): where they land in the rendered prompt, that
+each renders to the same tokens wherever it appears, bad documents refused naming the document;
+and through the engine (``GraphChunkLLM.chat(documents=...)``, vLLM's renderer hook) against the
+HF oracle in both modes. The OpenAI server's documents requests are in ``test_server``."""
+from __future__ import annotations
+
+import pytest
+
+from exactness import LIMITS, assert_matches_oracle, assert_matches_reference, blend_reference, sampling
+from graphchunk.documents import DocumentError, document_messages, hf_render, place_documents
+from graphchunk.llm import RagPrompt, encode_prompt
+from graphchunk.segments import split_at
+
+GRANITE = """{%- for m in messages if m['role'] == 'system' %}<|start_of_role|>system<|end_of_role|>\
+{{ m['content'] }}<|end_of_text|>
+{% endfor %}{%- for d in documents %}<|start_of_role|>document {"document_id": "{{ d['doc_id'] }}"}\
+<|end_of_role|>
+{{ d['text'] }}<|end_of_text|>
+{% endfor %}{%- for m in messages if m['role'] != 'system' %}<|start_of_role|>{{ m['role'] }}<|end_of_role|>\
+{{ m['content'] }}<|end_of_text|>
+{% endfor %}<|start_of_role|>assistant<|end_of_role|>"""
+"""Granite 3.3's shape: a turn per document, keyed by the caller's id, between system and user."""
+NUMBERED = """{{ messages[0]['content'] }}
+Documents:
+{% for d in documents %}Document {{ loop.index }}:
+{{ d['text'] }}
+{% endfor %}Question: {{ messages[-1]['content'] }}
+Answer:"""
+AFTER_QUESTION = """{% for m in messages %}{{ m['content'] }}
+{% endfor %}{% for d in documents %}{{ d['text'] }}
+{% endfor %}"""
+UPPER = """{% for d in documents %}{{ d['text'] | upper }}
+{% endfor %}{% for m in messages %}{{ m['content'] }}
+{% endfor %}"""
+REWRITES = """{% for d in documents %}{{ d['text'] | replace('.', '!') }}
+{% endfor %}{% for m in messages %}{{ m['content'] }}
+{% endfor %}"""
+FIRST_ONLY = """{{ documents[0]['text'] }}
+{% for m in messages %}{{ m['content'] }}
+{% endfor %}"""
+
+MARKDOWN = "# Setup\n\nInstall it.\n\n## Options\n\nSet `x`.\n\n### Notes\n\nDone."
+DOCS = [{"doc_id": "a1", "text": "Paris is the capital of France."},
+        {"doc_id": "b2", "text": "Rome is the capital of Italy."},
+        {"doc_id": "c3", "text": MARKDOWN}]
+MESSAGES = document_messages("Answer from the documents.", "Which city is in Italy?")
+
+
+def place(tokenizer, documents, template=None, messages=MESSAGES, **limits):
+    render = hf_render(tokenizer, **({"chat_template": template} if template else {}))
+    return place_documents(render, messages, documents, tokenizer, **{**LIMITS, **limits})
+
+
+def chunks(placed) -> list[tuple[int, ...]]:
+    edges = [*placed.boundaries, len(placed.token_ids)]
+    return [tuple(placed.token_ids[a:b]) for a, b in zip(edges, edges[1:-1])]
+
+
+@pytest.mark.parametrize("template", [None, GRANITE], ids=["ignores-documents", "renders-documents"])
+def test_a_document_renders_to_the_same_tokens_wherever_it_appears(tokenizer, template):
+    placed = place(tokenizer, DOCS, template)
+    assert len(placed.boundaries) == len(DOCS) + 1
+    for order in ([2, 0, 1], [1], [2, 1]):
+        again = place(tokenizer, [DOCS[i] for i in order], template)
+        assert chunks(again) == [chunks(placed)[i] for i in order]
+    text = placed.text
+    assert text.index("Paris") < text.index("Rome") < text.index("## Options") < text.index("Which city")
+    # The Markdown document is one chunk, headings and all.
+    assert "## Options" in tokenizer.decode(chunks(placed)[2]) and "### Notes" in tokenizer.decode(chunks(placed)[2])
+
+
+def test_graphchunk_places_documents_the_documented_way(tokenizer):
+    """Templates that ignore documents: they lead the last user message, each in document_text form
+    and followed by a blank line; the same as a RagPrompt(chat=True) of the texts."""
+    placed = place(tokenizer, [{"text": d["text"]} for d in DOCS])
+    user = "".join(d["text"] + "\n\n" for d in DOCS) + MESSAGES[1]["content"]
+    plain = tokenizer.apply_chat_template([MESSAGES[0], {"role": "user", "content": user}], tokenize=False,
+                                          add_generation_prompt=True)
+    assert placed.text == plain
+    prompt = RagPrompt(MESSAGES[0]["content"], [d["text"] for d in DOCS], MESSAGES[1]["content"], chat=True)
+    assert encode_prompt(tokenizer, prompt) == (placed.token_ids, placed.boundaries)
+    titled = place(tokenizer, [{"title": "Capitals", "text": "Paris."}])
+    assert "title: Capitals\nParis.\n\n" in titled.text
+
+
+def test_a_header_belongs_to_its_document(tokenizer):
+    placed = place(tokenizer, DOCS[:2], GRANITE)
+    first = tokenizer.decode(chunks(placed)[0])
+    assert first.startswith('document {"document_id": "a1"}') and "Paris" in first
+    assert tokenizer.decode(placed.token_ids[placed.boundaries[-1]:]).startswith("user")
+
+
+def test_a_numbered_template_costs_identity(tokenizer):
+    """'Document 2:' belongs to the second chunk, so a document's tokens depend on its place."""
+    placed, swapped = place(tokenizer, DOCS[:2], NUMBERED), place(tokenizer, DOCS[1::-1], NUMBERED)
+    assert chunks(placed)[1] != chunks(swapped)[0]
+    assert tokenizer.decode(chunks(placed)[1]).startswith("Document 2:")
+
+
+@pytest.mark.parametrize("documents, limits, message", [
+    ([{"text": ""}], {}, "document 1 is empty"),
+    ([{"text": "a"}, {"text": 5}], {}, "document 2's 'text' must be a string, got int"),
+    ([{"text": "a"}, {"text": "b", "meta": {"x": "y"}}], {}, "document 2's 'meta' must be a string, got dict"),
+    ([{"text": "a"}, "b"], {}, "document 2 must be a non-empty object of strings"),
+    ([{"text": "a"}, {}], {}, "document 2 must be a non-empty object of strings"),
+    ([{"text": "a"}, {"text": "b"}, {"text": "a"}], {}, "document 3 repeats document 1"),
+    ([{"text": str(i)} for i in range(9)], {"max_chunks": 8}, "9 documents, more than max_chunks=8"),
+    ([{"text": "a"}, {"text": "word " * 80}], {"max_chunk_len": 64}, "document 2 has 8[0-9] tokens, more than"),
+    ({"text": "a"}, {}, "documents must be a list"),
+])
+def test_bad_documents_are_refused_naming_the_document(tokenizer, documents, limits, message):
+    with pytest.raises(DocumentError, match=message):
+        place(tokenizer, documents, **limits)
+
+
+@pytest.mark.parametrize("template, messages, message", [
+    (AFTER_QUESTION, MESSAGES, "places the documents after the question"),
+    (REWRITES, MESSAGES, "changes the documents' text"),
+    (UPPER, MESSAGES, "document 1 could not be located"),
+    (FIRST_ONLY, MESSAGES, "document 2 could not be located"),
+    (None, MESSAGES[:1], "need a user message"),
+])
+def test_templates_graphchunk_cannot_follow_are_refused(tokenizer, template, messages, message):
+    with pytest.raises(DocumentError, match=message):
+        place(tokenizer, [{"text": "Paris."}, {"text": "Rome."}], template, messages)
+
+
+# --- through the engine ------------------------------------------------------------------------
+
+pytest_slow = pytest.mark.slow
+
+
+@pytest_slow
+def test_chat_documents_match_the_oracle_in_both_modes(gc_llm, oracle, tokenizer, one_oracle_thread):
+    """GraphChunkLLM.chat(documents=...): the prompt is RagPrompt(chat=True)'s, one lookup per
+    document, all hits reordered, answers equal to the oracle's; blend behind another system prompt."""
+    docs = [{"text": f"(documents test) {d['text']}"} for d in DOCS]
+    sys_prompt = "You answer from the documents; the documents test."
+    messages = document_messages(sys_prompt, "Which city is the capital of Italy?")
+    for order in ([0, 1, 2], [2, 0, 1]):
+        before = gc_llm.stats()
+        (out,) = gc_llm.chat(messages, sampling(), documents=[docs[i] for i in order])
+        moved = {k: gc_llm.stats()[k] - before[k] for k in ("lookups", "hits", "misses")}
+        prompt = RagPrompt(sys_prompt, [docs[i]["text"] for i in order], messages[1]["content"], chat=True)
+        ids, boundaries = encode_prompt(tokenizer, prompt)
+        assert list(out.prompt_token_ids) == ids
+        assert_matches_oracle(out, split_at(ids, boundaries, **LIMITS), oracle)
+        assert moved["lookups"] == 3 and moved[("misses" if order == [0, 1, 2] else "hits")] == 3, moved
+    other = document_messages("Be brief.", "Which city is the capital of Italy?")
+    (out,) = gc_llm.chat(other, sampling(), documents=docs[::-1], mode="blend", recompute="none")
+    ids, boundaries = encode_prompt(tokenizer, RagPrompt("Be brief.", [d["text"] for d in docs[::-1]],
+                                                         other[1]["content"], chat=True))
+    assert list(out.prompt_token_ids) == ids
+    assert_matches_reference(out, blend_reference(oracle, split_at(ids, boundaries, **LIMITS), "naive"), "blend")
+
+
+@pytest_slow
+def test_bad_documents_raise_without_harming_the_engine(gc_llm):
+    with pytest.raises(ValueError, match="document 2 repeats document 1"):
+        gc_llm.chat(MESSAGES, sampling(), documents=[{"text": "x"}, {"text": "x"}])
+    with pytest.raises(ValueError, match="cannot also send graphchunk_boundaries"):
+        params = sampling()
+        params.extra_args = {"graphchunk_boundaries": [1, 2]}
+        gc_llm.chat(MESSAGES, params, documents=[{"text": "x"}])
+    (out,) = gc_llm.chat(MESSAGES, sampling(), documents=[{"text": "Rome is in Italy."}])
+    assert out.outputs[0].token_ids
