@@ -283,3 +283,94 @@ def test_metrics_are_exported(server):
     assert found["graphchunk_pool_refs_held"] == found["graphchunk_pool_blocks_leaked"] == 0
     assert found["graphchunk_pool_blocks_total"] == GC["pool_tokens"] // 32
     assert 0 < found["graphchunk_pool_utilization"] <= 1
+
+
+# --- documents: the openai SDK, as a RAG client sends them ---------------------------------------
+
+DOC_SYS = "You answer from the documents; the server's documents test."
+
+
+def sdk(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def placed_reference(oracle, tokenizer, messages, documents) -> tuple[list[int], list[int]]:
+    """(prompt token ids, the oracle's tokens) of a documents request (``graphchunk.documents``)."""
+    from graphchunk.documents import hf_render, place_documents
+    from graphchunk.segments import split_at
+
+    limits = dict(max_chunks=GC["max_chunks"], max_chunk_len=GC["max_chunk_len"])
+    placed = place_documents(hf_render(tokenizer), messages, documents, tokenizer, **limits)
+    seg = split_at(placed.token_ids, placed.boundaries, **limits)
+    return placed.token_ids, oracle_tokens(oracle, placed.token_ids, seg.layout)
+
+
+def moved(server, before: dict, *names: str) -> tuple[float, ...]:
+    after = server.metrics()
+    return tuple(after[f"graphchunk_{n}_total"] - before.get(f"graphchunk_{n}_total", 0) for n in names)
+
+
+def test_documents_through_the_openai_sdk_match_the_oracle_and_hit_reordered(server, oracle, tokenizer):
+    """extra_body documents (and chat_template_kwargs.documents), streamed and not: one lookup per
+    document, every one a hit when they come back reordered, answers equal to the oracle's."""
+    from graphchunk.documents import document_messages
+
+    client = sdk(server)
+    docs = [{"title": topic, "text": words(topic, 40)} for topic in ("for", "try", "with")]
+    messages = document_messages(DOC_SYS, "Which statement handles exceptions?")
+    cases = [([0, 1, 2], "documents", False, "misses"), ([2, 0, 1], "documents", True, "hits"),
+             ([1, 2, 0], "chat_template_kwargs", False, "hits")]
+    for order, where, stream, counted in cases:
+        documents = [docs[i] for i in order]
+        prompt_ids, expected = placed_reference(oracle, tokenizer, messages, documents)
+        body = {"documents": documents} if where == "documents" else {"chat_template_kwargs": {"documents": documents}}
+        before = server.metrics() if _published(server) else {}
+        reply = client.chat.completions.create(model=server.model, messages=messages, temperature=0,
+                                               max_tokens=MAX_TOKENS, stream=stream,
+                                               extra_body={**body, "return_token_ids": True})
+        if stream:
+            text = "".join(chunk.choices[0].delta.content or "" for chunk in reply if chunk.choices)
+            assert text == tokenizer.decode(expected, skip_special_tokens=True), order
+        else:
+            assert reply.prompt_token_ids == prompt_ids and reply.choices[0].token_ids == expected, order
+        assert moved(server, before, "lookups", counted) == (3, 3), (order, where)
+
+
+def test_a_markdown_document_is_one_chunk(server, oracle, tokenizer):
+    from graphchunk.documents import document_messages
+
+    markdown = f"# Loops\n\n## for\n\n{words('for', 30)}\n\n### while\n\n{words('while', 30)}"
+    messages = document_messages(DOC_SYS, "Which loops are described?")
+    prompt_ids, expected = placed_reference(oracle, tokenizer, messages, [{"text": markdown}])
+    before = server.metrics() if _published(server) else {}
+    reply = sdk(server).chat.completions.create(model=server.model, messages=messages, temperature=0,
+                                                max_tokens=MAX_TOKENS,
+                                                extra_body={"documents": [{"text": markdown}], "return_token_ids": True})
+    assert reply.prompt_token_ids == prompt_ids and reply.choices[0].token_ids == expected
+    assert moved(server, before, "lookups")[0] == 1
+
+
+BAD_DOCUMENTS = {
+    "duplicate": ({"documents": [{"text": "a"}, {"text": "a"}]}, "document 2 repeats document 1"),
+    "empty": ({"documents": [{"text": "a"}, {"text": " "}]}, "document 2 is empty"),
+    "nested": ({"chat_template_kwargs": {"documents": [{"text": "a", "meta": {"k": "v"}}]}},
+               "document 1's 'meta' must be a string, got dict"),
+    "not-a-list": ({"chat_template_kwargs": {"documents": "a"}}, "documents must be a list"),
+    "too-many": ({"documents": [{"text": f"doc {i}"} for i in range(9)]}, "9 documents, more than max_chunks=8"),
+    "too-long": ({"documents": [{"text": "word " * 600}]}, "document 1 has .* tokens, more than max_chunk_len=512"),
+    "with-boundaries": ({"documents": [{"text": "a"}], "vllm_xargs": {"graphchunk_boundaries": [1, 2]}},
+                        "cannot also send graphchunk_boundaries"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_DOCUMENTS))
+def test_bad_documents_are_a_400_naming_the_document(server, case):
+    import openai
+
+    body, message = BAD_DOCUMENTS[case]
+    with pytest.raises(openai.BadRequestError, match=message):
+        sdk(server).chat.completions.create(model=server.model, max_tokens=2, extra_body=body,
+                                            messages=[{"role": "user", "content": "Which?"}])
+    assert server.process.poll() is None, server.log_tail()
