@@ -13,7 +13,9 @@ Which requests hit: the tier is keyed by the chunk's tokens (isolated mode: also
 prompt's), so the server's requests must tokenize documents as the precompute did.
 ``--format segments`` tokenizes as ``GraphChunkLLM.generate(sys=, chunks=, question=)`` and as a
 client sending token ids with ``graphchunk_boundaries`` built segment by segment;
-``--format chat`` as ``GraphChunkLLM.chat``. Files are specific to the engine's model weights,
+``--format chat`` as a chat request whose ``documents`` are ``[{"text": document}]`` behind the
+system prompt ``--sys`` (``graphchunk.documents``: the server's documents requests and
+``GraphChunkLLM.chat(documents=...)``, on a template that renders documents or not). Files are specific to the engine's model weights,
 dtype, block size and tensor-parallel layout: start it with the server's (a file made under another
 is ignored and counted in ``graphchunk_tier_rejected_total``).
 """
