@@ -31,6 +31,7 @@ tokens never depend on its neighbours. Every failure is a ``DocumentError`` nami
 from __future__ import annotations
 
 import os
+from itertools import accumulate
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -93,15 +94,14 @@ def place_documents(render: Render, messages: list, documents: list[dict[str, st
     marked_docs = [marks.document(i, doc) for i, doc in enumerate(documents)]
     marked_messages = _with_content(messages, last_user, marks.question(messages[last_user]["content"]))
     rendered = render(marked_messages, marked_docs)
-    if _uses_documents(render, marked_messages, rendered):
-        def text_of(msgs, docs):
-            return render(msgs, docs)
-        real = render(messages, documents)
-    else:
-        def text_of(msgs, docs):
-            return render(_place(msgs, last_user, docs), None)
-        real = text_of(messages, documents)
+    template_places = _uses_documents(render, marked_messages, rendered)
+
+    def text_of(msgs, docs):
+        return render(msgs, docs) if template_places else render(_place(msgs, last_user, docs), None)
+
+    if not template_places:
         rendered = text_of(marked_messages, marked_docs)
+    real = text_of(messages, documents)
     spans = marks.spans(rendered, len(documents))
     probe_doc = marks.document(len(documents), documents[-1])
     probe = text_of(marked_messages, marked_docs + [probe_doc])
@@ -134,10 +134,7 @@ def _tokenized(tokenizer, pieces: list[str], max_chunk_len: int) -> DocumentProm
             raise DocumentError(f"document {i} has {len(chunk)} tokens, more than max_chunk_len={max_chunk_len}")
     if not ids[-1]:
         raise DocumentError("the question (what follows the last document) is empty")
-    boundaries, at = [], 0
-    for piece in ids[:-1]:
-        at += len(piece)
-        boundaries.append(at)
+    boundaries = list(accumulate(len(piece) for piece in ids[:-1]))
     return DocumentPrompt([t for piece in ids for t in piece], boundaries, "".join(pieces))
 
 
@@ -189,10 +186,10 @@ class _Markers:
         """[first marker start, last marker end) of each document, in rendered order."""
         spans = []
         for i in range(num_documents):
-            found = [(text.find(m), len(m)) for m, what in self.values.items() if what[:2] == ("d", i)]
-            if any(text.count(m) > 1 for m, what in self.values.items() if what[:2] == ("d", i)):
+            marks = [m for m, what in self.values.items() if what[:2] == ("d", i)]
+            if any(text.count(m) > 1 for m in marks):
                 raise DocumentError(f"the chat template renders document {i + 1} more than once")
-            found = [(at, at + n) for at, n in found if at >= 0]
+            found = [(text.index(m), text.index(m) + len(m)) for m in marks if m in text]
             if not found:
                 raise DocumentError(f"document {i + 1} could not be located in the rendered prompt "
                                     "(the chat template leaves it out or rewrites it)")

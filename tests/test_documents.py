@@ -125,12 +125,36 @@ def test_templates_graphchunk_cannot_follow_are_refused(tokenizer, template, mes
         place(tokenizer, [{"text": "Paris."}, {"text": "Rome."}], template, messages)
 
 
+def test_the_renderer_hook_returns_the_sent_prompt_and_its_conversation(tokenizer):
+    """document_hooks._render over vLLM's ChatParams and a render_messages of HF's template: the
+    tokens prompt carries the boundaries, and the conversation is the one of the prompt sent (with
+    the documents placed), never one of the marker renders."""
+    from vllm.renderers.params import ChatParams
+
+    from graphchunk.config import GraphChunkConfig
+    from graphchunk.engine import document_hooks
+    from graphchunk.engine.frontend import DOCUMENTS_KEY
+
+    class Renderer:
+        def get_tokenizer(self):
+            return tokenizer
+
+    def render_messages(renderer, messages, params):
+        documents = params.chat_template_kwargs.get("documents")
+        return messages, {"prompt": hf_render(tokenizer)(messages, documents)}
+
+    docs = [{"text": d["text"]} for d in DOCS]
+    params = ChatParams(chat_template_kwargs={"documents": docs})
+    conversation, prompt = document_hooks._render(Renderer(), render_messages, MESSAGES, params, GraphChunkConfig())
+    placed = place(tokenizer, docs)
+    assert prompt["prompt_token_ids"] == placed.token_ids and prompt["prompt"] == placed.text
+    assert list(prompt[DOCUMENTS_KEY].boundaries) == placed.boundaries
+    assert conversation[-1]["content"] == "".join(d["text"] + "\n\n" for d in docs) + MESSAGES[1]["content"]
+
+
 # --- through the engine ------------------------------------------------------------------------
 
-pytest_slow = pytest.mark.slow
-
-
-@pytest_slow
+@pytest.mark.slow
 def test_chat_documents_match_the_oracle_in_both_modes(gc_llm, oracle, tokenizer, one_oracle_thread):
     """GraphChunkLLM.chat(documents=...): the prompt is RagPrompt(chat=True)'s, one lookup per
     document, all hits reordered, answers equal to the oracle's; blend behind another system prompt."""
@@ -154,7 +178,7 @@ def test_chat_documents_match_the_oracle_in_both_modes(gc_llm, oracle, tokenizer
     assert_matches_reference(out, blend_reference(oracle, split_at(ids, boundaries, **LIMITS), "naive"), "blend")
 
 
-@pytest_slow
+@pytest.mark.slow
 def test_bad_documents_raise_without_harming_the_engine(gc_llm):
     with pytest.raises(ValueError, match="document 2 repeats document 1"):
         gc_llm.chat(MESSAGES, sampling(), documents=[{"text": "x"}, {"text": "x"}])

@@ -8,8 +8,9 @@ import pytest
 from pydoc_data.topics import topics
 
 from conftest import GC_LLM_TEMPLATES
+from graphchunk.documents import document_messages, hf_render, place_documents
 from graphchunk.layout import Layout
-from graphchunk.segments import SeparatorSplitter
+from graphchunk.segments import SeparatorSplitter, split_at
 from graphchunk.tools.serve_demo import SERVER_FLAGS, VllmServer
 
 pytestmark = pytest.mark.slow
@@ -298,9 +299,6 @@ def sdk(server):
 
 def placed_reference(oracle, tokenizer, messages, documents) -> tuple[list[int], list[int]]:
     """(prompt token ids, the oracle's tokens) of a documents request (``graphchunk.documents``)."""
-    from graphchunk.documents import hf_render, place_documents
-    from graphchunk.segments import split_at
-
     limits = dict(max_chunks=GC["max_chunks"], max_chunk_len=GC["max_chunk_len"])
     placed = place_documents(hf_render(tokenizer), messages, documents, tokenizer, **limits)
     seg = split_at(placed.token_ids, placed.boundaries, **limits)
@@ -339,8 +337,6 @@ def test_documents_through_the_openai_sdk_match_the_oracle_and_hit_reordered(ser
 
 
 def test_a_markdown_document_is_one_chunk(server, oracle, tokenizer):
-    from graphchunk.documents import document_messages
-
     markdown = f"# Loops\n\n## for\n\n{words('for', 30)}\n\n### while\n\n{words('while', 30)}"
     messages = document_messages(DOC_SYS, "Which loops are described?")
     prompt_ids, expected = placed_reference(oracle, tokenizer, messages, [{"text": markdown}])

@@ -31,17 +31,16 @@ def install(request_error: type) -> None:
     render_messages = HfRenderer.render_messages
 
     def render_with_documents(self, messages, params):
-        settings = _settings(self)
-        documents = params.chat_template_kwargs.get("documents")
-        if settings is None or not documents:
+        settings = _documents_settings(self, params)
+        if settings is None:
             return render_messages(self, messages, params)
         try:
-            return _render(self, render_messages, messages, params, documents, settings)
+            return _render(self, render_messages, messages, params, settings)
         except ValueError as exc:
             raise request_error(str(exc)) from exc
 
     async def render_with_documents_async(self, messages, params):
-        if _settings(self) is None or not params.chat_template_kwargs.get("documents"):
+        if _documents_settings(self, params) is None:
             return await render_messages_async(self, messages, params)
         return await asyncio.to_thread(render_with_documents, self, messages, params)
 
@@ -53,7 +52,9 @@ def install(request_error: type) -> None:
     _carry_through(BaseRenderer)
 
 
-def _render(renderer, render_messages, messages, params, documents, settings):
+def _render(renderer, render_messages, messages, params, settings):
+    """(conversation, tokens prompt) of a documents request; the conversation is the one vLLM
+    parsed for the prompt actually sent (not one of ``place_documents``' marker renders)."""
     from graphchunk.documents import place_documents
 
     conversations = []
@@ -65,14 +66,15 @@ def _render(renderer, render_messages, messages, params, documents, settings):
         conversation, prompt = render_messages(renderer, msgs, dataclasses.replace(params, chat_template_kwargs=kwargs))
         if prompt.get("multi_modal_data") or not isinstance(prompt.get("prompt"), str):
             raise ValueError("documents requests cannot carry images or other non-text inputs")
-        conversations.append(conversation)
+        conversations.append((prompt["prompt"], conversation))
         return prompt["prompt"]
 
+    documents = params.chat_template_kwargs["documents"]
     placed = place_documents(render, messages, documents, renderer.get_tokenizer(),
                              max_chunks=settings.max_chunks, max_chunk_len=settings.max_chunk_len)
     prompt = {"prompt_token_ids": placed.token_ids, "prompt": placed.text,
               DOCUMENTS_KEY: DocumentBoundaries(tuple(placed.boundaries), len(placed.token_ids))}
-    return conversations[-1], prompt
+    return next(conv for text, conv in conversations if text == placed.text), prompt
 
 
 def _carry_through(base) -> None:
@@ -94,6 +96,11 @@ def _carry_through(base) -> None:
         return engine_input
 
     base._process_singleton, base._process_singleton_async = _process_singleton, _process_singleton_async
+
+
+def _documents_settings(renderer, params):
+    """The engine's GraphChunkConfig for a request with documents to a graphchunk engine, else None."""
+    return _settings(renderer) if params.chat_template_kwargs.get("documents") else None
 
 
 def _settings(renderer):
