@@ -42,6 +42,11 @@ Render = Callable[[list, "list[dict] | None"], str]
 
 JOINER = "\n\n"
 """Follows every document graphchunk places itself (templates that ignore documents)."""
+DOCUMENT_PART = "graphchunk_document"
+"""A content part's key: a text part with ``"graphchunk_document": true`` is a document."""
+DOCUMENT_PARTS = "graphchunk_document_parts"
+"""``chat_template_kwargs`` key: true makes every part of the last user message but the last one
+a document."""
 
 
 class DocumentError(SegmentationError):
@@ -89,31 +94,96 @@ def place_documents(render: Render, messages: list, documents: list[dict[str, st
                     max_chunks: int, max_chunk_len: int) -> DocumentPrompt:
     """The prompt of ``messages`` with ``documents`` (see the module docstring)."""
     documents = validate_documents(documents, max_chunks)
-    marks = _Markers()
     last_user = _last_user_message(messages)
+    question = messages[last_user]["content"]
+    marks = _Markers()
     marked_docs = [marks.document(i, doc) for i, doc in enumerate(documents)]
-    marked_messages = _with_content(messages, last_user, marks.question(messages[last_user]["content"]))
-    rendered = render(marked_messages, marked_docs)
-    template_places = _uses_documents(render, marked_messages, rendered)
+    marked_question = marks.question(question)
 
-    def text_of(msgs, docs):
-        return render(msgs, docs) if template_places else render(_place(msgs, last_user, docs), None)
+    def template_places(docs, question_content):
+        return render(_with_content(messages, last_user, question_content), docs)
 
-    if not template_places:
-        rendered = text_of(marked_messages, marked_docs)
-    real = text_of(messages, documents)
+    def graphchunk_places(docs, question_content):
+        return render(_place(messages, last_user, docs, question_content), None)
+
+    marked = _with_content(messages, last_user, marked_question)
+    places = (template_places if _uses_documents(render, marked, template_places(marked_docs, marked_question))
+              else graphchunk_places)
+    return _locate(places, documents, question, marks, tokenizer, max_chunk_len)
+
+
+def place_document_parts(render: Render, messages: list, tokenizer, *, every_part: bool, max_chunks: int,
+                         max_chunk_len: int) -> DocumentPrompt:
+    """The prompt of ``messages`` whose last user message leads with documents as content parts:
+    the text parts marked ``"graphchunk_document": true`` (``DOCUMENT_PART``), or, with
+    ``every_part`` (``DOCUMENT_PARTS``), every part but the last. The message renders exactly as
+    it would without graphchunk (vLLM joins text parts with a newline, or the template renders
+    them); each document's chunk is its part's text with the template text around every part
+    alike, located as ``documents`` are."""
+    last_user = _last_user_message(messages)
+    parts, question = _document_parts(messages, last_user, every_part)
+    documents = validate_documents([{"text": part["text"]} for part in parts], max_chunks)
+    shapes = parts + parts[-1:]  # the probe's extra document is shaped like the last one
+
+    def in_parts(docs, question_parts):
+        doc_parts = [{**shape, "text": doc["text"]} for shape, doc in zip(shapes, docs)]
+        return render(_with_content(messages, last_user, doc_parts + question_parts), None)
+
+    return _locate(in_parts, documents, question, _Markers(), tokenizer, max_chunk_len)
+
+
+def marks_document_parts(messages: list) -> bool:
+    """Whether any message has a content part marked as a document (``DOCUMENT_PART``)."""
+    return any(isinstance(part, dict) and DOCUMENT_PART in part
+               for message in messages if isinstance(message, dict) and isinstance(message.get("content"), list)
+               for part in message["content"])
+
+
+def _document_parts(messages: list, last_user: int, every_part: bool) -> tuple[list[dict], list]:
+    """(the document parts, the question's parts) of the last user message."""
+    if any(marks_document_parts([m]) for i, m in enumerate(messages) if i != last_user):
+        raise DocumentError(f"only the last user message's content parts can be documents ({DOCUMENT_PART})")
+    content = messages[last_user]["content"]
+    if not isinstance(content, list):
+        raise DocumentError(f"{DOCUMENT_PARTS} needs the last user message's content as a list of parts")
+    marked = []
+    for j, part in enumerate(content, 1):
+        flag = part.get(DOCUMENT_PART, False) if isinstance(part, dict) else False
+        if not isinstance(flag, bool):
+            raise DocumentError(f"content part {j}'s {DOCUMENT_PART} must be true or false, got {flag!r:.40}")
+        marked.append(flag)
+    count = len(content) - 1 if every_part else marked.index(False) if False in marked else len(content)
+    if True in marked[count:]:
+        raise DocumentError(f"content part {count + 1 + marked[count:].index(True)} is marked as a document "
+                            "but follows the question's part; document parts must lead the message")
+    for j, part in enumerate(content[:count], 1):
+        if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+            raise DocumentError(f"content part {j} must be a text part ({{'type': 'text', 'text': ...}}) "
+                                "to be a document")
+    if count == len(content):
+        raise DocumentError("the last user message needs a part after its documents: the question")
+    return content[:count], content[count:]
+
+
+def _locate(compose, documents: list[dict[str, str]], question, marks: "_Markers", tokenizer,
+            max_chunk_len: int) -> DocumentPrompt:
+    """Where each document's chunk lands in ``compose(documents, question)`` (the prompt text of
+    the documents and the last user message's content), tokenized segment by segment."""
+    marked_docs = [marks.document(i, doc) for i, doc in enumerate(documents)]
+    marked_question = marks.question(question)
+    rendered = compose(marked_docs, marked_question)
     spans = marks.spans(rendered, len(documents))
     probe_doc = marks.document(len(documents), documents[-1])
-    probe = text_of(marked_messages, marked_docs + [probe_doc])
+    probe = compose(marked_docs + [probe_doc], marked_question)
     header, trailer = _header_trailer(probe, marks.spans(probe, len(documents) + 1))
     cuts = _cuts(rendered, spans, header, trailer)
     question_at = marks.question_start(rendered)
     if question_at is not None and question_at < cuts[-1]:
         raise DocumentError("the chat template places the documents after the question (the last user "
                             "message); graphchunk needs them before it")
-    pieces = [marks.substitute(rendered[a:b], documents, messages[last_user]["content"])
+    pieces = [marks.substitute(rendered[a:b], documents, question)
               for a, b in zip([0, *cuts], [*cuts, len(rendered)])]
-    if "".join(pieces) != real:
+    if "".join(pieces) != compose(documents, question):
         raise DocumentError("the chat template changes the documents' text as it renders them "
                             "(a filter or a slice), so graphchunk cannot locate them")
     return _tokenized(tokenizer, pieces, max_chunk_len)
@@ -149,10 +219,9 @@ def _with_content(messages: list, index: int, content) -> list:
     return [{**m, "content": content} if i == index else m for i, m in enumerate(messages)]
 
 
-def _place(messages: list, last_user: int, documents: list[dict[str, str]]) -> list:
-    """graphchunk's placement: the documents lead the last user message."""
+def _place(messages: list, last_user: int, documents: list[dict[str, str]], content) -> list:
+    """graphchunk's placement: the documents lead the last user message (its content: ``content``)."""
     lead = "".join(document_text(doc) + JOINER for doc in documents)
-    content = messages[last_user]["content"]
     if isinstance(content, str):
         return _with_content(messages, last_user, lead + content)
     return _with_content(messages, last_user, [{"type": "text", "text": lead}, *content])

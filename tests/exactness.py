@@ -188,3 +188,17 @@ def make_splitter(tokenizer) -> SeparatorSplitter:
 
 def clear_references() -> None:
     REFERENCES.clear()  # ~100 MB of vocabulary-sized logprobs
+
+
+def string_parts_render(tokenizer, **template_kwargs):
+    """``documents.hf_render`` with content parts rendered as vLLM's "string" content format does
+    (the text parts joined with a newline): the reference for content-parts documents requests."""
+    from graphchunk.documents import hf_render
+
+    render = hf_render(tokenizer, **template_kwargs)
+
+    def joined(messages, documents):
+        return render([{**m, "content": "\n".join(part["text"] for part in m["content"])}
+                       if isinstance(m.get("content"), list) else m for m in messages], documents)
+    return joined
+

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from exactness import LIMITS, assert_matches_oracle, assert_matches_reference, blend_reference, sampling
-from graphchunk.documents import DocumentError, document_messages, hf_render, place_documents
+from exactness import (LIMITS, assert_matches_oracle, assert_matches_reference, blend_reference, sampling,
+                        string_parts_render)
+from graphchunk.documents import (DOCUMENT_PART, DocumentError, document_messages, hf_render, place_document_parts,
+                                  place_documents)
 from graphchunk.llm import RagPrompt, encode_prompt
 from graphchunk.segments import split_at
 
@@ -125,6 +127,55 @@ def test_templates_graphchunk_cannot_follow_are_refused(tokenizer, template, mes
         place(tokenizer, [{"text": "Paris."}, {"text": "Rome."}], template, messages)
 
 
+def parts_messages(texts, question="Which city is in Italy?", marked=True) -> list[dict]:
+    parts = [{"type": "text", "text": text, **({DOCUMENT_PART: True} if marked else {})} for text in texts]
+    return [MESSAGES[0], {"role": "user", "content": [*parts, {"type": "text", "text": question}]}]
+
+
+def place_parts(tokenizer, messages, every_part=False, **limits):
+    return place_document_parts(string_parts_render(tokenizer), messages, tokenizer, every_part=every_part,
+                                **{**LIMITS, **limits})
+
+
+def test_content_parts_are_documents_in_the_message_as_it_renders(tokenizer):
+    """Marked parts (or every part but the last, per request): the prompt is the message as vLLM
+    renders it (parts joined by a newline), each part's chunk its text and the newline after it, the
+    same tokens in any order; a Markdown part is one chunk."""
+    texts = [d["text"] for d in DOCS]
+    placed = place_parts(tokenizer, parts_messages(texts))
+    assert placed.text == string_parts_render(tokenizer)(parts_messages(texts), None)
+    assert [tokenizer.decode(c) for c in chunks(placed)] == [text + "\n" for text in texts]
+    assert place_parts(tokenizer, parts_messages(texts, marked=False), every_part=True) == placed
+    moved = place_parts(tokenizer, parts_messages(texts[::-1]))
+    assert chunks(moved) == chunks(placed)[::-1]
+    assert moved.token_ids[moved.boundaries[-1]:] == placed.token_ids[placed.boundaries[-1]:]
+
+
+def _parts(*parts) -> list[dict]:
+    return [MESSAGES[0], {"role": "user", "content": list(parts)}]
+
+
+DOC, QUESTION = {"type": "text", "text": "Rome.", DOCUMENT_PART: True}, {"type": "text", "text": "Which?"}
+
+
+@pytest.mark.parametrize("messages, every_part, message", [
+    (_parts(DOC, QUESTION, {**DOC, "text": "Paris."}), False, "content part 3 is marked as a document but follows"),
+    (_parts({**DOC, DOCUMENT_PART: "yes"}, QUESTION), False, "content part 1's graphchunk_document must be true"),
+    (_parts({"type": "image_url", "image_url": {"url": "x"}, DOCUMENT_PART: True}, QUESTION), False,
+     "content part 1 must be a text part"),
+    (_parts(DOC, {**DOC, "text": "Paris."}), False, "needs a part after its documents: the question"),
+    (_parts(DOC, {**DOC, "text": " "}, QUESTION), False, "document 2 is empty"),
+    (_parts(DOC, DOC, QUESTION), False, "document 2 repeats document 1"),
+    ([{"role": "user", "content": [DOC, QUESTION]}, {"role": "user", "content": "Which?"}], False,
+     "only the last user message's content parts can be documents"),
+    ([MESSAGES[0], {"role": "user", "content": "Rome. Which?"}], True, "needs the last user message's content as a list"),
+    (_parts(*[{**DOC, "text": str(i)} for i in range(9)], QUESTION), False, "9 documents, more than max_chunks=8"),
+])
+def test_bad_document_parts_are_refused_naming_the_part(tokenizer, messages, every_part, message):
+    with pytest.raises(DocumentError, match=message):
+        place_parts(tokenizer, messages, every_part, max_chunks=8)
+
+
 def test_the_renderer_hook_returns_the_sent_prompt_and_its_conversation(tokenizer):
     """document_hooks._render over vLLM's ChatParams and a render_messages of HF's template: the
     tokens prompt carries the boundaries, and the conversation is the one of the prompt sent (with
@@ -176,6 +227,24 @@ def test_chat_documents_match_the_oracle_in_both_modes(gc_llm, oracle, tokenizer
                                                          other[1]["content"], chat=True))
     assert list(out.prompt_token_ids) == ids
     assert_matches_reference(out, blend_reference(oracle, split_at(ids, boundaries, **LIMITS), "naive"), "blend")
+
+
+@pytest.mark.slow
+def test_content_part_documents_match_the_oracle(gc_llm, oracle, tokenizer, one_oracle_thread):
+    """Documents as content parts through vLLM's renderer (LLM.chat): the prompt is the message as
+    vLLM renders it, one lookup per part, all hits reordered (per part, then per request), answers
+    equal to the oracle's."""
+    texts = [f"(content parts test) {d['text']}" for d in DOCS]
+    for order, every_part, counted in (([0, 1, 2], False, "misses"), ([1, 2, 0], True, "hits")):
+        messages = parts_messages([texts[i] for i in order], marked=not every_part)
+        before = gc_llm.stats()
+        (out,) = gc_llm.chat(messages, sampling(),
+                             chat_template_kwargs={"graphchunk_document_parts": True} if every_part else None)
+        moved = {k: gc_llm.stats()[k] - before[k] for k in ("lookups", "hits", "misses")}
+        placed = place_parts(tokenizer, messages, every_part)
+        assert list(out.prompt_token_ids) == placed.token_ids
+        assert_matches_oracle(out, split_at(placed.token_ids, placed.boundaries, **LIMITS), oracle)
+        assert moved["lookups"] == 3 and moved[counted] == 3, moved
 
 
 @pytest.mark.slow

@@ -8,7 +8,8 @@ import pytest
 from pydoc_data.topics import topics
 
 from conftest import GC_LLM_TEMPLATES
-from graphchunk.documents import document_messages, hf_render, place_documents
+from exactness import string_parts_render
+from graphchunk.documents import DOCUMENT_PART, document_messages, hf_render, place_document_parts, place_documents
 from graphchunk.layout import Layout
 from graphchunk.segments import SeparatorSplitter, split_at
 from graphchunk.tools.serve_demo import SERVER_FLAGS, VllmServer
@@ -297,11 +298,18 @@ def sdk(server):
     return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
 
 
+SERVER_LIMITS = dict(max_chunks=GC["max_chunks"], max_chunk_len=GC["max_chunk_len"])
+
+
 def placed_reference(oracle, tokenizer, messages, documents) -> tuple[list[int], list[int]]:
     """(prompt token ids, the oracle's tokens) of a documents request (``graphchunk.documents``)."""
-    limits = dict(max_chunks=GC["max_chunks"], max_chunk_len=GC["max_chunk_len"])
-    placed = place_documents(hf_render(tokenizer), messages, documents, tokenizer, **limits)
-    seg = split_at(placed.token_ids, placed.boundaries, **limits)
+    return oracle_reference(oracle, place_documents(hf_render(tokenizer), messages, documents, tokenizer,
+                                                    **SERVER_LIMITS))
+
+
+def oracle_reference(oracle, placed) -> tuple[list[int], list[int]]:
+    """(prompt token ids, the oracle's tokens) of a placed documents prompt."""
+    seg = split_at(placed.token_ids, placed.boundaries, **SERVER_LIMITS)
     return placed.token_ids, oracle_tokens(oracle, placed.token_ids, seg.layout)
 
 
@@ -336,6 +344,33 @@ def test_documents_through_the_openai_sdk_match_the_oracle_and_hit_reordered(ser
         assert moved(server, before, "lookups", counted) == (3, 3), (order, where)
 
 
+def test_content_part_documents_through_the_openai_sdk(server, oracle, tokenizer):
+    """Documents as content parts (marked per part, or every part but the last per request),
+    streamed and not: the message as vLLM renders it, one lookup per part, all hits reordered,
+    answers equal to the oracle's."""
+    texts = [f"# {topic}\n\n## Usage\n\n{words(topic, 30)}" for topic in ("function", "class", "lambda")]
+    client = sdk(server)
+    for order, every_part, stream, counted in (([0, 1, 2], False, False, "misses"), ([2, 1, 0], False, True, "hits"),
+                                               ([1, 0, 2], True, False, "hits")):
+        parts = [{"type": "text", "text": texts[i], **({} if every_part else {DOCUMENT_PART: True})} for i in order]
+        messages = [{"role": "system", "content": DOC_SYS},
+                    {"role": "user", "content": [*parts, {"type": "text", "text": "Which defines a function?"}]}]
+        placed = place_document_parts(string_parts_render(tokenizer), messages, tokenizer, every_part=every_part,
+                                      **SERVER_LIMITS)
+        prompt_ids, expected = oracle_reference(oracle, placed)
+        body = {"chat_template_kwargs": {"graphchunk_document_parts": True}} if every_part else {}
+        before = server.metrics() if _published(server) else {}
+        reply = client.chat.completions.create(model=server.model, messages=messages, temperature=0,
+                                               max_tokens=MAX_TOKENS, stream=stream,
+                                               extra_body={**body, "return_token_ids": True})
+        if stream:
+            text = "".join(chunk.choices[0].delta.content or "" for chunk in reply if chunk.choices)
+            assert text == tokenizer.decode(expected, skip_special_tokens=True), order
+        else:
+            assert reply.prompt_token_ids == prompt_ids and reply.choices[0].token_ids == expected, order
+        assert moved(server, before, "lookups", counted) == (3, 3), (order, every_part)
+
+
 def test_a_markdown_document_is_one_chunk(server, oracle, tokenizer):
     markdown = f"# Loops\n\n## for\n\n{words('for', 30)}\n\n### while\n\n{words('while', 30)}"
     messages = document_messages(DOC_SYS, "Which loops are described?")
@@ -358,6 +393,14 @@ BAD_DOCUMENTS = {
     "too-long": ({"documents": [{"text": "word " * 600}]}, "document 1 has .* tokens, more than max_chunk_len=512"),
     "with-boundaries": ({"documents": [{"text": "a"}], "vllm_xargs": {"graphchunk_boundaries": [1, 2]}},
                         "cannot also send graphchunk_boundaries"),
+    "part-after-question": ({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "Which?"}, {"type": "text", "text": "a", DOCUMENT_PART: True}]}]},
+        "content part 2 is marked as a document but follows the question"),
+    "parts-and-documents": ({"documents": [{"text": "b"}], "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "a", DOCUMENT_PART: True}, {"type": "text", "text": "Which?"}]}]},
+        "either in the documents field or as content parts, not both"),
+    "parts-not-a-list": ({"chat_template_kwargs": {"graphchunk_document_parts": True}},
+                         "needs the last user message's content as a list of parts"),
 }
 
 
@@ -365,8 +408,8 @@ BAD_DOCUMENTS = {
 def test_bad_documents_are_a_400_naming_the_document(server, case):
     import openai
 
-    body, message = BAD_DOCUMENTS[case]
+    body, message = dict(BAD_DOCUMENTS[case][0]), BAD_DOCUMENTS[case][1]
+    messages = body.pop("messages", [{"role": "user", "content": "Which?"}])
     with pytest.raises(openai.BadRequestError, match=message):
-        sdk(server).chat.completions.create(model=server.model, max_tokens=2, extra_body=body,
-                                            messages=[{"role": "user", "content": "Which?"}])
+        sdk(server).chat.completions.create(model=server.model, max_tokens=2, extra_body=body, messages=messages)
     assert server.process.poll() is None, server.log_tail()

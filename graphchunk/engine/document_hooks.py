@@ -8,7 +8,9 @@ per document, and the segment boundaries ride on the prompt dict (``DOCUMENTS_KE
 vLLM's tokenization step (``BaseRenderer._process_singleton``, which builds the engine input) to
 ``InputProcessor.process_inputs``, where ``RequestAnnotator.annotate`` takes them
 (``frontend.DocumentBoundaries``). The server (``/v1/chat/completions``) and ``LLM.chat`` run
-the same code, so both produce the same tokens. Other renderers (Mistral's, DeepSeek's, ...)
+the same code, so both produce the same tokens. A user message's content parts can be the
+documents too (``documents.place_document_parts``: parts marked ``"graphchunk_document": true``,
+or every part but the last with ``chat_template_kwargs.graphchunk_document_parts``). Other renderers (Mistral's, DeepSeek's, ...)
 are left as they are: their documents reach the model as vLLM renders them, as ordinary
 prompts.
 """
@@ -31,7 +33,7 @@ def install(request_error: type) -> None:
     render_messages = HfRenderer.render_messages
 
     def render_with_documents(self, messages, params):
-        settings = _documents_settings(self, params)
+        settings = _documents_settings(self, messages, params)
         if settings is None:
             return render_messages(self, messages, params)
         try:
@@ -40,7 +42,7 @@ def install(request_error: type) -> None:
             raise request_error(str(exc)) from exc
 
     async def render_with_documents_async(self, messages, params):
-        if _documents_settings(self, params) is None:
+        if _documents_settings(self, messages, params) is None:
             return await render_messages_async(self, messages, params)
         return await asyncio.to_thread(render_with_documents, self, messages, params)
 
@@ -55,12 +57,14 @@ def install(request_error: type) -> None:
 def _render(renderer, render_messages, messages, params, settings):
     """(conversation, tokens prompt) of a documents request; the conversation is the one vLLM
     parsed for the prompt actually sent (not one of ``place_documents``' marker renders)."""
-    from graphchunk.documents import place_documents
+    from graphchunk.documents import (DOCUMENT_PARTS, DocumentError, marks_document_parts, place_document_parts,
+                                      place_documents)
 
     conversations = []
 
     def render(msgs, docs):
-        kwargs = {key: value for key, value in params.chat_template_kwargs.items() if key != "documents"}
+        kwargs = {key: value for key, value in params.chat_template_kwargs.items()
+                  if key not in ("documents", DOCUMENT_PARTS)}
         if docs is not None:
             kwargs["documents"] = docs
         conversation, prompt = render_messages(renderer, msgs, dataclasses.replace(params, chat_template_kwargs=kwargs))
@@ -69,9 +73,17 @@ def _render(renderer, render_messages, messages, params, settings):
         conversations.append((prompt["prompt"], conversation))
         return prompt["prompt"]
 
-    documents = params.chat_template_kwargs["documents"]
-    placed = place_documents(render, messages, documents, renderer.get_tokenizer(),
-                             max_chunks=settings.max_chunks, max_chunk_len=settings.max_chunk_len)
+    documents = params.chat_template_kwargs.get("documents")
+    every_part = params.chat_template_kwargs.get(DOCUMENT_PARTS, False)
+    if not isinstance(every_part, bool):
+        raise DocumentError(f"{DOCUMENT_PARTS} must be true or false, got {every_part!r:.40}")
+    limits = {"max_chunks": settings.max_chunks, "max_chunk_len": settings.max_chunk_len}
+    if every_part or marks_document_parts(messages):
+        if documents:
+            raise DocumentError("send documents either in the documents field or as content parts, not both")
+        placed = place_document_parts(render, messages, renderer.get_tokenizer(), every_part=every_part, **limits)
+    else:
+        placed = place_documents(render, messages, documents, renderer.get_tokenizer(), **limits)
     prompt = {"prompt_token_ids": placed.token_ids, "prompt": placed.text,
               DOCUMENTS_KEY: DocumentBoundaries(tuple(placed.boundaries), len(placed.token_ids))}
     return next(conv for text, conv in conversations if text == placed.text), prompt
@@ -98,9 +110,15 @@ def _carry_through(base) -> None:
     base._process_singleton, base._process_singleton_async = _process_singleton, _process_singleton_async
 
 
-def _documents_settings(renderer, params):
-    """The engine's GraphChunkConfig for a request with documents to a graphchunk engine, else None."""
-    return _settings(renderer) if params.chat_template_kwargs.get("documents") else None
+def _documents_settings(renderer, messages, params):
+    """The engine's GraphChunkConfig for a documents request to a graphchunk engine, else None: one
+    with ``documents``, or with documents as content parts (``DOCUMENT_PARTS`` or ``DOCUMENT_PART``)."""
+    from graphchunk.documents import DOCUMENT_PARTS, marks_document_parts
+
+    kwargs = params.chat_template_kwargs
+    if kwargs.get("documents") or DOCUMENT_PARTS in kwargs or marks_document_parts(messages):
+        return _settings(renderer)
+    return None
 
 
 def _settings(renderer):
