@@ -62,11 +62,15 @@ class DocumentPrompt:
 
 
 def validate_documents(documents: Any, max_chunks: int) -> list[dict[str, str]]:
-    """The documents as a list of string-valued dicts; DocumentError naming the first bad one."""
+    """The documents as a list of string-valued dicts; DocumentError naming the first bad one. A
+    document in Cohere's shape, ``{"id": ..., "data": {...}}`` (how vLLM's ``/cohere/v2/chat``
+    passes them on, ``id`` ``doc_<position>`` when the client gave none), is its ``data``: the id,
+    a citation handle that may depend on the document's position, is not rendered."""
     if not isinstance(documents, list):
         raise DocumentError(f"documents must be a list of objects, got {type(documents).__name__}")
     if len(documents) > max_chunks:
         raise DocumentError(f"{len(documents)} documents, more than max_chunks={max_chunks}")
+    documents = [_cohere_data(doc) for doc in documents]
     seen: dict[tuple, int] = {}
     for i, doc in enumerate(documents, 1):
         if not isinstance(doc, dict) or not doc:
@@ -81,6 +85,12 @@ def validate_documents(documents: Any, max_chunks: int) -> list[dict[str, str]]:
             raise DocumentError(f"document {i} repeats document {seen[identity]}")
         seen[identity] = i
     return documents
+
+
+def _cohere_data(doc: Any) -> Any:
+    if isinstance(doc, dict) and "data" in doc and set(doc) <= {"id", "data"} and isinstance(doc["data"], dict):
+        return doc["data"]
+    return doc
 
 
 def document_text(doc: dict[str, str]) -> str:
@@ -308,8 +318,9 @@ def _cuts(text: str, spans: list[tuple[int, int]], header: str, trailer: str) ->
 
 
 def document_messages(sys: str, question: str) -> list[dict[str, str]]:
-    """The messages of a RAG chat turn: the system prompt, then the question as the user's."""
-    return [{"role": "system", "content": sys}, {"role": "user", "content": question}]
+    """The messages of a RAG chat turn: the system prompt (none when empty), then the question as
+    the user's."""
+    return [{"role": "system", "content": sys}] * bool(sys) + [{"role": "user", "content": question}]
 
 
 def hf_render(tokenizer, **template_kwargs) -> Render:

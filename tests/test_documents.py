@@ -99,6 +99,18 @@ def test_a_numbered_template_costs_identity(tokenizer):
     assert tokenizer.decode(chunks(placed)[1]).startswith("Document 2:")
 
 
+@pytest.mark.parametrize("template", [None, GRANITE], ids=["ignores-documents", "renders-documents"])
+def test_a_cohere_shaped_document_is_its_data(tokenizer, template):
+    """vLLM's /cohere/v2/chat hands documents on as {"id": "doc_<position>" or the client's, "data": {...}}."""
+    data = [{"title": "France", "text": DOCS[0]["text"]}, {"text": DOCS[1]["text"]}]
+    cohere = [{"id": "doc_0", "data": data[0]}, {"id": "rome", "data": data[1]}]
+    assert place(tokenizer, cohere, template) == place(tokenizer, data, template)
+    assert place(tokenizer, [{"data": data[1]}, {"id": "doc_1", "data": data[0]}], template) == place(
+        tokenizer, data[::-1], template)
+    with pytest.raises(DocumentError, match="document 1's 'page' must be a string, got int"):
+        place(tokenizer, [{"id": "doc_0", "data": {"text": "a", "page": 3}}], template)
+
+
 @pytest.mark.parametrize("documents, limits, message", [
     ([{"text": ""}], {}, "document 1 is empty"),
     ([{"text": "a"}, {"text": 5}], {}, "document 2's 'text' must be a string, got int"),

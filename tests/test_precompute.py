@@ -12,17 +12,33 @@ def write(tmp_path, lines):
     return path
 
 
+def texts(*values) -> list[dict]:
+    return [{"text": value} for value in values]
+
+
 def test_groups_by_sys_and_mode_in_file_order_once_each(tmp_path):
     path = write(tmp_path, [{"text": "a"}, {"text": "b", "mode": "blend"}, "", {"text": "a"},
                             {"text": "c", "sys": "other"}, {"text": "d"}])
-    assert read_corpus(path, "S", "isolated") == {("S", "isolated"): ["a", "d"], ("S", "blend"): ["b"],
-                                                  ("other", "isolated"): ["c"]}
+    assert read_corpus(path, "S", "isolated") == {("S", "isolated"): texts("a", "d"), ("S", "blend"): texts("b"),
+                                                  ("other", "isolated"): texts("c")}
+
+
+def test_documents_lines_carry_their_fields_and_segments_refuses_them(tmp_path):
+    titled = {"title": "T", "text": "a"}
+    path = write(tmp_path, [{"document": titled}, {"text": "a"}, {"document": {"text": "a"}}, {"document": titled}])
+    assert read_corpus(path, "S", "isolated") == {("S", "isolated"): [titled, {"text": "a"}]}
+    with pytest.raises(ValueError, match="docs.jsonl:1: --format segments sends a document's text only"):
+        read_corpus(path, "S", "isolated", text_only=True)
 
 
 @pytest.mark.parametrize("line, message", [
     ("{not json", "docs.jsonl:2: not JSON"),
-    ({"txt": "a"}, "docs.jsonl:2: each line needs a non-empty string 'text'"),
-    ({"text": ""}, "non-empty string 'text'"),
+    ({"txt": "a"}, "docs.jsonl:2: each line needs a non-empty string 'text' or a 'document' object"),
+    ({"text": "a", "document": {"text": "b"}}, "not both"),
+    ({"text": ""}, "docs.jsonl:2: document 1 is empty"),
+    ({"text": 3}, "document 1's 'text' must be a string"),
+    ({"document": {"text": "a", "meta": {"page": 1}}}, "document 1's 'meta' must be a string"),
+    ({"document": ["a"]}, "document 1 must be a non-empty object of strings"),
     ({"text": "a", "mode": "fast"}, "'mode' isolated or blend"),
     ({"text": "a", "sys": 3}, "'sys' must be a string"),
 ])

@@ -38,7 +38,8 @@ DOCS = [words("assert", 60), words("break", 40), words("pass", 50)]
 def server(smollm2_path, tmp_path_factory):
     store = tmp_path_factory.mktemp("server-tier")  # with a persistent tier: every entry written through
     srv = VllmServer(smollm2_path, dtype="float32", graphchunk={**GC, "store_path": str(store)},
-                     flags=[*SERVER_FLAGS, "--max-model-len", str(MAX_MODEL_LEN), "--block-size", "32"])
+                     flags=[*SERVER_FLAGS, "--max-model-len", str(MAX_MODEL_LEN), "--block-size", "32"],
+                     env={"VLLM_ENABLE_COHERE_API": "1"})  # vLLM's /cohere/v2/chat, for the cohere SDK
     srv.start()
     try:
         srv.wait_healthy(STARTUP_TIMEOUT_S)
@@ -321,8 +322,6 @@ def moved(server, before: dict, *names: str) -> tuple[float, ...]:
 def test_documents_through_the_openai_sdk_match_the_oracle_and_hit_reordered(server, oracle, tokenizer):
     """extra_body documents (and chat_template_kwargs.documents), streamed and not: one lookup per
     document, every one a hit when they come back reordered, answers equal to the oracle's."""
-    from graphchunk.documents import document_messages
-
     client = sdk(server)
     docs = [{"title": topic, "text": words(topic, 40)} for topic in ("for", "try", "with")]
     messages = document_messages(DOC_SYS, "Which statement handles exceptions?")
@@ -381,6 +380,50 @@ def test_a_markdown_document_is_one_chunk(server, oracle, tokenizer):
                                                 extra_body={"documents": [{"text": markdown}], "return_token_ids": True})
     assert reply.prompt_token_ids == prompt_ids and reply.choices[0].token_ids == expected
     assert moved(server, before, "lookups")[0] == 1
+
+
+def test_documents_through_the_cohere_sdk(server, oracle, tokenizer):
+    """vLLM's /cohere/v2/chat (VLLM_ENABLE_COHERE_API=1) with the official cohere SDK: a document,
+    a string or ``{"id", "data"}``, is its data (the id is not rendered), the same chunk as the
+    documents field's; reordered and with other ids, all hits; answers equal to the oracle's."""
+    import cohere
+
+    client = cohere.ClientV2(base_url=server.url + "/cohere", api_key="unused")
+    data = [{"title": topic, "snippet": words(topic, 30)} for topic in ("if", "while", "return")]
+    messages = document_messages(DOC_SYS, "Which statement leaves a function?")
+    for order, ids, counted in (([0, 1, 2], "python-", "misses"), ([2, 0, 1], None, "hits")):
+        documents = [{"data": data[i], **({"id": f"{ids}{i}"} if ids else {})} for i in order]
+        _, expected = placed_reference(oracle, tokenizer, messages, [data[i] for i in order])
+        before = server.metrics() if _published(server) else {}
+        reply = client.chat(model=server.model, messages=messages, documents=documents, temperature=0,
+                            max_tokens=MAX_TOKENS)
+        assert reply.message.content[0].text == tokenizer.decode(expected, skip_special_tokens=True), order
+        assert moved(server, before, "lookups", counted) == (3, 3), order
+    text = words("pass", 30)  # a string document is {"text": ...}
+    _, expected = placed_reference(oracle, tokenizer, messages, [{"text": text}])
+    reply = client.chat(model=server.model, messages=messages, documents=[text], temperature=0, max_tokens=MAX_TOKENS)
+    assert reply.message.content[0].text == tokenizer.decode(expected, skip_special_tokens=True)
+
+
+def test_documents_through_langchain(server, oracle, tokenizer):
+    """A LangChain RAG turn: retrieved ``Document``s sent as the request's documents through
+    ``ChatOpenAI`` (``extra_body``); answers equal to the oracle's, all hits reordered."""
+    from langchain_core.documents import Document
+    from langchain_core.messages import HumanMessage, SystemMessage
+    from langchain_openai import ChatOpenAI
+
+    retrieved = [Document(page_content=words(topic, 30), metadata={"title": topic})
+                 for topic in ("import", "raise", "global")]
+    question = "Which statement signals an error?"
+    chat = ChatOpenAI(base_url=server.url + "/v1", api_key="unused", model=server.model, temperature=0,
+                      max_tokens=MAX_TOKENS, max_retries=0)
+    for order, counted in (([0, 1, 2], "misses"), ([1, 2, 0], "hits")):
+        documents = [{"title": retrieved[i].metadata["title"], "text": retrieved[i].page_content} for i in order]
+        _, expected = placed_reference(oracle, tokenizer, document_messages(DOC_SYS, question), documents)
+        before = server.metrics() if _published(server) else {}
+        reply = chat.invoke([SystemMessage(DOC_SYS), HumanMessage(question)], extra_body={"documents": documents})
+        assert reply.content == tokenizer.decode(expected, skip_special_tokens=True), order
+        assert moved(server, before, "lookups", counted) == (3, 3), order
 
 
 BAD_DOCUMENTS = {

@@ -20,6 +20,7 @@ from pydoc_data.topics import topics
 
 from exactness import LIMITS, assert_matches_oracle, assert_matches_reference, blend_reference, sampling
 from graphchunk.config import GraphChunkConfig
+from graphchunk.documents import document_messages, hf_render, place_documents
 from graphchunk.llm import RagPrompt
 from graphchunk.reference import models
 from graphchunk.reference.oracle import Oracle
@@ -61,16 +62,37 @@ def corpus(tmp_path_factory):
     return path, records
 
 
-@pytest.fixture(scope="module")
-def precomputed(tiny, store, corpus):
-    path, _ = corpus
+def _precompute(tiny, store, corpus_path, *options) -> tuple[subprocess.CompletedProcess, set]:
+    """Runs graphchunk-precompute; returns its process and the tier files it wrote."""
+    before = tier_files(store)
     result = subprocess.run(
-        [sys.executable, "-m", "graphchunk.tools.precompute", "--model", tiny, "--store", str(store), "--corpus", str(path),
-         "--sys", SYS, "--dtype", "float32", "--block-size", "32", "--max-model-len", "1024",
-         "--kv-cache-memory-bytes", str(1 << 27)],
+        [sys.executable, "-m", "graphchunk.tools.precompute", "--model", tiny, "--store", str(store),
+         "--corpus", str(corpus_path), "--sys", SYS, "--dtype", "float32", "--block-size", "32",
+         "--max-model-len", "1024", "--kv-cache-memory-bytes", str(1 << 27), *options],
         capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result
+    return result, tier_files(store) - before
+
+
+@pytest.fixture(scope="module")
+def precomputed(tiny, store, corpus):
+    return _precompute(tiny, store, corpus[0])
+
+
+@pytest.fixture(scope="module")
+def documents_corpus(tmp_path_factory):
+    """A --format documents corpus: two isolated documents (one with a title), one blend."""
+    path = tmp_path_factory.mktemp("corpus") / "documents.jsonl"
+    first, second, third = docs(3)
+    records = [{"document": {"title": "Statements", "text": first}}, {"text": second},
+               {"text": third, "mode": "blend"}]
+    path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    return path, [{"title": "Statements", "text": first}, {"text": second}, {"text": third}]
+
+
+@pytest.fixture(scope="module")
+def precomputed_documents(tiny, store, documents_corpus, precomputed):
+    return _precompute(tiny, store, documents_corpus[0], "--format", "documents")
 
 
 def engine(tiny, store, **settings):
@@ -80,7 +102,7 @@ def engine(tiny, store, **settings):
 
 
 @pytest.fixture(scope="module")
-def server_a(tiny, store, precomputed):
+def server_a(tiny, store, precomputed, precomputed_documents):
     llm = engine(tiny, store)
     yield llm
     llm.shutdown()
@@ -113,15 +135,35 @@ def run(llm, oracle, prompt: RagPrompt, salt: str | None = None) -> dict[str, fl
     return {name: after[name] - before[name] for name in after}
 
 
+def run_chat(llm, oracle, messages, documents, mode: str | None = None) -> dict[str, float]:
+    """``llm.chat(messages, documents=)``: the prompt is ``place_documents``' under the model's
+    template, the output the oracle's (blend: LegoLink's with the default token count); returns
+    how the counters moved."""
+    before = llm.stats()
+    (output,) = llm.chat(messages, sampling(), documents=documents, mode=mode)
+    after = llm.stats()
+    placed = place_documents(hf_render(llm.tokenizer), messages, documents, llm.tokenizer, max_chunks=8,
+                             max_chunk_len=1 << 20)
+    assert list(output.prompt_token_ids) == placed.token_ids
+    seg = split_at(placed.token_ids, placed.boundaries, **LIMITS)
+    if mode == "blend":
+        k = GraphChunkConfig().recompute_tokens
+        assert_matches_reference(output, blend_reference(oracle, seg, f"legolink:{k}"), "blend")
+    else:
+        assert_matches_oracle(output, seg, oracle)
+    return {name: after[name] - before[name] for name in after}
+
+
 def tier_files(store) -> set:
     return set(store.rglob("*.gckv"))
 
 
-def test_precompute_writes_every_document(precomputed, store, corpus):
-    assert "5 documents" in precomputed.stdout
+def test_precompute_writes_every_document(precomputed):
+    result, written = precomputed
+    assert "5 documents" in result.stdout
     # isolated: the sys prompt and 3 chunks; blend: 2 chunks and its (causal) sys prompt
-    assert len(tier_files(store)) == 1 + 3 + 2 + 1
-    assert "it/s" in precomputed.stderr or "Processed prompts" in precomputed.stderr  # vLLM's progress bar
+    assert len(written) == 1 + 3 + 2 + 1
+    assert "it/s" in result.stderr or "Processed prompts" in result.stderr  # vLLM's progress bar
 
 
 def test_a_server_started_afterwards_serves_the_corpus_from_the_tier(server_a, tiny_oracle, corpus):
@@ -133,6 +175,21 @@ def test_a_server_started_afterwards_serves_the_corpus_from_the_tier(server_a, t
     blend = [r["text"] for r in corpus if r.get("mode") == "blend"]
     moved = run(server_a, tiny_oracle, RagPrompt("Be brief.", blend, QUESTION, extra={"graphchunk_mode": "blend"}))
     assert (moved["tier_hits"], moved["blend_tier_hits"], moved["misses"]) == (2, 2, 0)
+
+
+def test_documents_requests_hit_a_documents_precompute_from_the_first_request(server_a, tiny_oracle,
+                                                                              precomputed_documents, documents_corpus):
+    """--format documents: the chat template's system message (SYS) and the documents' chunks; a
+    server's documents requests (GraphChunkLLM.chat, the server's renderer path) hit them, reordered."""
+    result, written = precomputed_documents
+    assert "3 documents" in result.stdout
+    assert len(written) == 1 + 2 + 1 + 1  # isolated: sys and 2 chunks; blend: 1 chunk and its sys
+    _, (titled, plain, blended) = documents_corpus
+    moved = run_chat(server_a, tiny_oracle, document_messages(SYS, QUESTION), [plain, titled])
+    assert (moved["tier_hits"], moved["misses"], moved["hits"]) == (2, 0, 0)
+    assert moved["tier_loads"] == 3  # sys too
+    moved = run_chat(server_a, tiny_oracle, document_messages("Be brief.", QUESTION), [blended], mode="blend")
+    assert (moved["blend_tier_hits"], moved["misses"]) == (1, 0)
 
 
 def test_two_live_servers_reuse_each_others_chunks(server_a, server_b, tiny_oracle):

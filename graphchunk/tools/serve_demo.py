@@ -58,13 +58,16 @@ class VllmServer:
             server.wait_healthy()
             server.post("/v1/completions", {...})
 
-    ``worker_cls=None`` serves with vLLM's own worker (vanilla vLLM, for comparisons).
+    ``worker_cls=None`` serves with vLLM's own worker (vanilla vLLM, for comparisons); ``env`` is
+    added to the server's environment (e.g. ``{"VLLM_ENABLE_COHERE_API": "1"}``).
     """
 
     def __init__(self, model: str | Path, *, dtype: str = "bfloat16", port: int = 0,
                  graphchunk: dict | None = None, flags: list[str] | tuple[str, ...] = tuple(SERVER_FLAGS),
-                 log_path: str | Path | None = None, worker_cls: str | None = "graphchunk.Runner"):
+                 log_path: str | Path | None = None, worker_cls: str | None = "graphchunk.Runner",
+                 env: dict[str, str] | None = None):
         self.model = str(model)
+        self.env = dict(env or {})
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         worker = ["--worker-cls", worker_cls] if worker_cls else []
@@ -77,7 +80,7 @@ class VllmServer:
         self.process: subprocess.Popen | None = None
 
     def start(self) -> "VllmServer":
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **self.env}
         with open(self.log_path, "wb") as log:
             # A session of its own, so that stop() can reach the engine processes too.
             self.process = subprocess.Popen(vllm_command(*self.args), stdout=log, stderr=subprocess.STDOUT,
