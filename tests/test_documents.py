@@ -215,6 +215,25 @@ def test_the_renderer_hook_returns_the_sent_prompt_and_its_conversation(tokenize
     assert conversation[-1]["content"] == "".join(d["text"] + "\n\n" for d in docs) + MESSAGES[1]["content"]
 
 
+def test_documents_for_another_renderer_are_refused():
+    """A graphchunk engine whose chats vLLM renders without an HF template (here Cohere's melody,
+    --tokenizer-mode cohere): documents requests, in the field or as parts, are refused by name."""
+    from vllm.renderers.cohere import CohereRenderer
+    from vllm.renderers.params import ChatParams
+
+    from graphchunk.config import GraphChunkConfig
+    from graphchunk.engine import document_hooks
+    from graphchunk.engine.plugin import register
+
+    register()
+    renderer = object.__new__(CohereRenderer)  # only its type and graphchunk's settings are read
+    setattr(renderer, document_hooks._SETTINGS, GraphChunkConfig())
+    for messages, params in ((MESSAGES, ChatParams(chat_template_kwargs={"documents": [{"text": "a"}]})),
+                             (parts_messages(["a"]), ChatParams())):
+        with pytest.raises(ValueError, match="rendered by CohereRenderer .*--tokenizer-mode hf"):
+            renderer.render_chat([messages], params)
+
+
 # --- through the engine ------------------------------------------------------------------------
 
 @pytest.mark.slow

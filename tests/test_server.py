@@ -8,7 +8,7 @@ import pytest
 from pydoc_data.topics import topics
 
 from conftest import GC_LLM_TEMPLATES
-from exactness import string_parts_render
+from exactness import blend_reference, string_parts_render
 from graphchunk.documents import DOCUMENT_PART, document_messages, hf_render, place_document_parts, place_documents
 from graphchunk.layout import Layout
 from graphchunk.segments import SeparatorSplitter, split_at
@@ -341,6 +341,27 @@ def test_documents_through_the_openai_sdk_match_the_oracle_and_hit_reordered(ser
         else:
             assert reply.prompt_token_ids == prompt_ids and reply.choices[0].token_ids == expected, order
         assert moved(server, before, "lookups", counted) == (3, 3), (order, where)
+
+
+def test_blend_documents_reordered_behind_another_system_prompt_hit(server, oracle, tokenizer):
+    """Blend mode (vllm_xargs) documents: reordered behind another system prompt, all hits (blend
+    keys have no sys); answers equal HF's reuse reference (each document's KV alone, nothing
+    recomputed)."""
+    docs = [{"title": topic, "text": words(topic, 40)} for topic in ("yield", "del", "nonlocal")]
+    xargs = {"graphchunk_mode": "blend", "graphchunk_recompute": "none"}
+    for sys_prompt, order, counted in ((DOC_SYS, [0, 1, 2], "blend_misses"), ("Answer in one word.", [2, 0, 1],
+                                                                              "blend_hits")):
+        messages = document_messages(sys_prompt, "Which statement deletes a name?")
+        documents = [docs[i] for i in order]
+        placed = place_documents(hf_render(tokenizer), messages, documents, tokenizer, **SERVER_LIMITS)
+        seg = split_at(placed.token_ids, placed.boundaries, **SERVER_LIMITS)
+        before = server.metrics() if _published(server) else {}
+        reply = sdk(server).chat.completions.create(
+            model=server.model, messages=messages, temperature=0, max_tokens=MAX_TOKENS,
+            extra_body={"documents": documents, "vllm_xargs": xargs, "ignore_eos": True, "return_token_ids": True})
+        assert reply.prompt_token_ids == placed.token_ids
+        assert reply.choices[0].token_ids == blend_reference(oracle, seg, "naive", MAX_TOKENS).tokens, sys_prompt
+        assert moved(server, before, counted) == (3,), sys_prompt
 
 
 def test_content_part_documents_through_the_openai_sdk(server, oracle, tokenizer):

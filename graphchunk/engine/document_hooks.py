@@ -10,9 +10,10 @@ vLLM's tokenization step (``BaseRenderer._process_singleton``, which builds the 
 (``frontend.DocumentBoundaries``). The server (``/v1/chat/completions``) and ``LLM.chat`` run
 the same code, so both produce the same tokens. A user message's content parts can be the
 documents too (``documents.place_document_parts``: parts marked ``"graphchunk_document": true``,
-or every part but the last with ``chat_template_kwargs.graphchunk_document_parts``). Other renderers (Mistral's, DeepSeek's, ...)
-are left as they are: their documents reach the model as vLLM renders them, as ordinary
-prompts.
+or every part but the last with ``chat_template_kwargs.graphchunk_document_parts``). Other
+renderers (Mistral's, DeepSeek's, Cohere's melody with ``--tokenizer-mode cohere``) render
+chats without a template graphchunk can probe: their documents requests are refused, never run
+as prompts graphchunk cannot chunk (nor separator-split).
 """
 from __future__ import annotations
 
@@ -52,6 +53,31 @@ def install(request_error: type) -> None:
         fn._graphchunk = True
         setattr(HfRenderer, name, fn)
     _carry_through(BaseRenderer)
+    _refuse_other_renderers(BaseRenderer, HfRenderer, request_error)
+
+
+def _refuse_other_renderers(base, hf_renderer, request_error) -> None:
+    """Documents requests to a graphchunk engine whose renderer is not vLLM's HF one: a clear error."""
+    def refuse(renderer, conversations, chat_params):
+        if isinstance(renderer, hf_renderer):
+            return
+        if any(_documents_settings(renderer, conversation, chat_params) for conversation in conversations):
+            raise request_error(f"graphchunk finds documents in what vLLM's Hugging Face chat-template renderer "
+                                f"renders; this model's chats are rendered by {type(renderer).__name__} "
+                                "(--tokenizer-mode): send the documents in the prompt, or serve with "
+                                "--tokenizer-mode hf")
+
+    render_chat, render_chat_async = base.render_chat, base.render_chat_async
+
+    def checked_render_chat(self, conversations, chat_params, *args, **kwargs):
+        refuse(self, conversations, chat_params)
+        return render_chat(self, conversations, chat_params, *args, **kwargs)
+
+    async def checked_render_chat_async(self, conversations, chat_params, *args, **kwargs):
+        refuse(self, conversations, chat_params)
+        return await render_chat_async(self, conversations, chat_params, *args, **kwargs)
+
+    base.render_chat, base.render_chat_async = checked_render_chat, checked_render_chat_async
 
 
 def _render(renderer, render_messages, messages, params, settings):
