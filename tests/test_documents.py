@@ -261,6 +261,25 @@ def test_chat_documents_match_the_oracle_in_both_modes(gc_llm, oracle, tokenizer
 
 
 @pytest.mark.slow
+def test_a_template_that_renders_documents_through_the_engine(gc_llm, oracle, tokenizer, one_oracle_thread):
+    """vLLM's renderer with a template that renders documents (Granite 3.3's shape, given per
+    call): the prompt is place_documents', each header in its document's chunk; all hits
+    reordered; answers equal to the oracle's."""
+    docs = [{"doc_id": f"t{i}", "text": f"(template test) {d['text']}"} for i, d in enumerate(DOCS)]
+    for order, counted in (([0, 1, 2], "misses"), ([1, 2, 0], "hits")):
+        documents = [docs[i] for i in order]
+        before = gc_llm.stats()
+        (out,) = gc_llm.chat(MESSAGES, sampling(), documents=documents, chat_template=GRANITE)
+        moved = {k: gc_llm.stats()[k] - before[k] for k in ("lookups", "hits", "misses")}
+        placed = place(tokenizer, documents, GRANITE)
+        assert list(out.prompt_token_ids) == placed.token_ids
+        assert tokenizer.decode(out.prompt_token_ids[placed.boundaries[0]:]).startswith(
+            f'document {{"document_id": "{documents[0]["doc_id"]}"}}')
+        assert_matches_oracle(out, split_at(placed.token_ids, placed.boundaries, **LIMITS), oracle)
+        assert moved["lookups"] == 3 and moved[counted] == 3, moved
+
+
+@pytest.mark.slow
 def test_content_part_documents_match_the_oracle(gc_llm, oracle, tokenizer, one_oracle_thread):
     """Documents as content parts through vLLM's renderer (LLM.chat): the prompt is the message as
     vLLM renders it, one lookup per part, all hits reordered (per part, then per request), answers

@@ -3,8 +3,9 @@
     graphchunk-serve-demo [--dtype bfloat16] [--port 0] [--max-tokens 48]
 
 Starts ``vllm serve <bundled SmolLM2> --worker-cls graphchunk.Runner`` on a free loopback port,
-waits for /health, then streams three chat requests whose user turn is
-``Documents: ## doc_1 ## ... ## doc_k ## Question: ...`` (documents from CPython's help topics):
+waits for /health, then streams three chat requests carrying the documents the way RAG clients
+send them, in the request's ``documents`` field (``[{"title": ..., "text": ...}]``, CPython's
+help topics), the question as the user's message:
 
 1. the documents for the first time: every chunk is computed (misses);
 2. the same documents in another order: every chunk is reused (hits);
@@ -204,13 +205,14 @@ class VllmServer:
 def documents() -> dict[str, str]:
     from pydoc_data.topics import topics
 
-    return {name: " ".join(topics[name].replace("#", "").split()) for name in TOPICS}
+    return {name: " ".join(topics[name].split()) for name in TOPICS}
 
 
-def chat_body(model: str, docs: list[str], question: str, max_tokens: int) -> dict:
-    user = " ## ".join(["Documents:", *docs, f"Question: {question}"])
+def chat_body(model: str, docs: dict[str, str], question: str, max_tokens: int) -> dict:
+    """A chat completions request whose ``documents`` are ``docs`` (title: text), in order."""
     return {"model": model, "temperature": 0, "max_tokens": max_tokens,
-            "messages": [{"role": "system", "content": SYS}, {"role": "user", "content": user}]}
+            "messages": [{"role": "system", "content": SYS}, {"role": "user", "content": question}],
+            "documents": [{"title": title, "text": text} for title, text in docs.items()]}
 
 
 def _native_bf16() -> bool:
@@ -266,7 +268,7 @@ def main(argv: list[str] | None = None) -> None:
         print("graphchunk metrics are /metrics deltas per request: one lookup per document\n")
         before = server.metrics()
         for title, order, question in workload:
-            result = server.stream_chat(chat_body(model, [docs[n] for n in order], question, args.max_tokens))
+            result = server.stream_chat(chat_body(model, {n: docs[n] for n in order}, question, args.max_tokens))
             after = server.metrics()
             delta = ", ".join(f"{label} +{after.get(key, 0) - before.get(key, 0):.0f}"
                               for label, key in METRIC_COLUMNS)
