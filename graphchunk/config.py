@@ -13,6 +13,7 @@ from graphchunk.cache.eviction import DEFAULT_POLICY, POLICIES
 from graphchunk.cache.pool import cdiv
 
 MODES = ("isolated", "blend")
+DOCUMENTS_FALLBACKS = ("refuse", "ordinary")
 
 
 class ConfigError(ValueError):
@@ -64,6 +65,12 @@ class GraphChunkConfig:
     host_bytes: int = 0
     """Budget of the host-memory tier in front of ``store_path`` (``cache/host_tier.py``; pinned on CUDA);
     0: none."""
+    documents_fallback: str = "refuse"
+    """A documents request graphchunk cannot chunk (a template that puts the documents after the
+    question or hides them, a renderer without an HF template, more than ``max_chunks`` documents,
+    one over ``max_chunk_len``): 'refuse' (a 400 naming the problem) or 'ordinary' (it runs as an
+    ordinary prompt, counted in ``graphchunk_documents_unchunked_total``). Malformed documents are
+    refused either way."""
 
     def __post_init__(self):
         for name, kind in _TYPES.items():
@@ -90,6 +97,9 @@ class GraphChunkConfig:
                               "set graphchunk.store_path too")
         if self.mode not in MODES:
             raise ConfigError(f"graphchunk.mode must be one of {MODES}, got {self.mode!r}")
+        if self.documents_fallback not in DOCUMENTS_FALLBACKS:
+            raise ConfigError(f"graphchunk.documents_fallback must be one of {DOCUMENTS_FALLBACKS}, "
+                              f"got {self.documents_fallback!r}")
         if self.check_layer < 0:
             raise ConfigError(f"graphchunk.check_layer must be >= 0, got {self.check_layer}")
         try:
@@ -132,4 +142,4 @@ def valid_key_temperature(value) -> bool:
 _TYPES = {"separator": str, "max_chunks": int, "max_chunk_len": int, "pool_tokens": int, "eviction": str,
           "mode": str, "key_temperature": (int, float), "templates": str, "recompute": str, "recompute_ratio": (int, float), "recompute_tokens": int,
           "check_layer": int, "store_path": str, "store_bytes": int,
-          "host_bytes": int}
+          "host_bytes": int, "documents_fallback": str}

@@ -53,6 +53,11 @@ class DocumentError(SegmentationError):
     """A request's documents cannot be chunked; the message names the document."""
 
 
+class Unchunkable(DocumentError):
+    """Well-formed documents graphchunk cannot chunk (the template's placement, or the limits): with
+    ``documents_fallback='ordinary'`` the request runs as an ordinary prompt instead."""
+
+
 @dataclass(frozen=True)
 class DocumentPrompt:
     token_ids: list[int]
@@ -69,7 +74,7 @@ def validate_documents(documents: Any, max_chunks: int) -> list[dict[str, str]]:
     if not isinstance(documents, list):
         raise DocumentError(f"documents must be a list of objects, got {type(documents).__name__}")
     if len(documents) > max_chunks:
-        raise DocumentError(f"{len(documents)} documents, more than max_chunks={max_chunks}")
+        raise Unchunkable(f"{len(documents)} documents, more than max_chunks={max_chunks}")
     documents = [_cohere_data(doc) for doc in documents]
     seen: dict[tuple, int] = {}
     for i, doc in enumerate(documents, 1):
@@ -189,12 +194,12 @@ def _locate(compose, documents: list[dict[str, str]], question, marks: "_Markers
     cuts = _cuts(rendered, spans, header, trailer)
     question_at = marks.question_start(rendered)
     if question_at is not None and question_at < cuts[-1]:
-        raise DocumentError("the chat template places the documents after the question (the last user "
+        raise Unchunkable("the chat template places the documents after the question (the last user "
                             "message); graphchunk needs them before it")
     pieces = [marks.substitute(rendered[a:b], documents, question)
               for a, b in zip([0, *cuts], [*cuts, len(rendered)])]
     if "".join(pieces) != compose(documents, question):
-        raise DocumentError("the chat template changes the documents' text as it renders them "
+        raise Unchunkable("the chat template changes the documents' text as it renders them "
                             "(a filter or a slice), so graphchunk cannot locate them")
     return _tokenized(tokenizer, pieces, max_chunk_len)
 
@@ -211,7 +216,7 @@ def _tokenized(tokenizer, pieces: list[str], max_chunk_len: int) -> DocumentProm
     ids = [tokenizer.encode(piece, add_special_tokens=False) if piece else [] for piece in pieces]
     for i, chunk in enumerate(ids[1:-1], 1):
         if len(chunk) > max_chunk_len:
-            raise DocumentError(f"document {i} has {len(chunk)} tokens, more than max_chunk_len={max_chunk_len}")
+            raise Unchunkable(f"document {i} has {len(chunk)} tokens, more than max_chunk_len={max_chunk_len}")
     if not ids[-1]:
         raise DocumentError("the question (what follows the last document) is empty")
     boundaries = list(accumulate(len(piece) for piece in ids[:-1]))
@@ -267,17 +272,17 @@ class _Markers:
         for i in range(num_documents):
             marks = [m for m, what in self.values.items() if what[:2] == ("d", i)]
             if any(text.count(m) > 1 for m in marks):
-                raise DocumentError(f"the chat template renders document {i + 1} more than once")
+                raise Unchunkable(f"the chat template renders document {i + 1} more than once")
             found = [(text.index(m), text.index(m) + len(m)) for m in marks if m in text]
             if not found:
-                raise DocumentError(f"document {i + 1} could not be located in the rendered prompt "
+                raise Unchunkable(f"document {i + 1} could not be located in the rendered prompt "
                                     "(the chat template leaves it out or rewrites it)")
             spans.append((min(a for a, _ in found), max(b for _, b in found)))
         ordered = sorted(spans)
         if any(b > a for (_, b), (a, _) in zip(ordered, ordered[1:])):
-            raise DocumentError("the chat template interleaves the documents' fields")
+            raise Unchunkable("the chat template interleaves the documents' fields")
         if ordered != spans:
-            raise DocumentError("the chat template reorders the documents")
+            raise Unchunkable("the chat template reorders the documents")
         return spans
 
     def question_start(self, text: str) -> int | None:
@@ -308,11 +313,11 @@ def _cuts(text: str, spans: list[tuple[int, int]], header: str, trailer: str) ->
     """Character offsets where each document's chunk starts and where the question starts."""
     for i, (start, end) in enumerate(spans):
         if text[start - len(header):start] != header or text[end:end + len(trailer)] != trailer:
-            raise DocumentError(f"document {i + 1} is rendered unlike the others; graphchunk cannot find "
+            raise Unchunkable(f"document {i + 1} is rendered unlike the others; graphchunk cannot find "
                                 "where its chunk begins and ends")
     cuts = [spans[0][0] - len(header)] + [end + len(trailer) for _, end in spans]
     if any(b > a - len(header) for b, (a, _) in zip(cuts[1:], spans[1:])):
-        raise DocumentError("the chat template renders documents too close together to tell their "
+        raise Unchunkable("the chat template renders documents too close together to tell their "
                             "chunks apart")
     return cuts
 

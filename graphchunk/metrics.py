@@ -103,6 +103,8 @@ class CacheMetrics:
     tier_bytes: int = _gauge("Bytes of tier files in the store directory (as of this server's last count)")
     tier_host_hits: int = _counter("Tier loads served from the host-memory tier (no file read)")
     tier_host_bytes: int = _gauge("Bytes of payloads in the host-memory tier")
+    documents_unchunked: int = _counter("Documents requests graphchunk could not chunk that ran as ordinary "
+                                        "prompts (documents_fallback='ordinary')")
     pool_refs_held: int = _gauge("References held on pool entries (0 between steps)")
     pool_blocks_leaked: int = _gauge("Pool blocks used but owned by no indexed entry (0 between steps)")
 

@@ -192,27 +192,55 @@ def test_the_renderer_hook_returns_the_sent_prompt_and_its_conversation(tokenize
     """document_hooks._render over vLLM's ChatParams and a render_messages of HF's template: the
     tokens prompt carries the boundaries, and the conversation is the one of the prompt sent (with
     the documents placed), never one of the marker renders."""
+    from graphchunk.engine.frontend import DOCUMENTS_KEY
+
+    docs = [{"text": d["text"]} for d in DOCS]
+    conversation, prompt = _hook_render(tokenizer, None, docs)
+    placed = place(tokenizer, docs)
+    assert prompt["prompt_token_ids"] == placed.token_ids and prompt["prompt"] == placed.text
+    assert list(prompt[DOCUMENTS_KEY].boundaries) == placed.boundaries
+    assert conversation[-1]["content"] == "".join(d["text"] + "\n\n" for d in docs) + MESSAGES[1]["content"]
+
+
+def _hook_render(tokenizer, template, documents, **settings):
+    """document_hooks._render over vLLM's ChatParams and HF's template, under ``settings``."""
     from vllm.renderers.params import ChatParams
 
     from graphchunk.config import GraphChunkConfig
     from graphchunk.engine import document_hooks
-    from graphchunk.engine.frontend import DOCUMENTS_KEY
 
     class Renderer:
         def get_tokenizer(self):
             return tokenizer
 
     def render_messages(renderer, messages, params):
-        documents = params.chat_template_kwargs.get("documents")
-        return messages, {"prompt": hf_render(tokenizer)(messages, documents)}
+        docs = params.chat_template_kwargs.get("documents")
+        return messages, {"prompt": hf_render(tokenizer, **({"chat_template": template} if template else {}))(
+            messages, docs)}
+
+    params = ChatParams(chat_template_kwargs={"documents": documents})
+    return document_hooks._render(Renderer(), render_messages, MESSAGES, params, GraphChunkConfig(**settings))
+
+
+def test_documents_fallback_runs_unchunkable_documents_as_the_prompt_they_would_be(tokenizer):
+    """documents_fallback='ordinary': a template that puts documents after the question gives its
+    own rendering, too many documents graphchunk's placement, both UNCHUNKED; malformed documents
+    and the default ('refuse') still raise."""
+    from graphchunk.documents import Unchunkable
+    from graphchunk.engine.document_hooks import UNCHUNKED
+    from graphchunk.engine.frontend import DOCUMENTS_KEY
 
     docs = [{"text": d["text"]} for d in DOCS]
-    params = ChatParams(chat_template_kwargs={"documents": docs})
-    conversation, prompt = document_hooks._render(Renderer(), render_messages, MESSAGES, params, GraphChunkConfig())
-    placed = place(tokenizer, docs)
-    assert prompt["prompt_token_ids"] == placed.token_ids and prompt["prompt"] == placed.text
-    assert list(prompt[DOCUMENTS_KEY].boundaries) == placed.boundaries
-    assert conversation[-1]["content"] == "".join(d["text"] + "\n\n" for d in docs) + MESSAGES[1]["content"]
+    _, prompt = _hook_render(tokenizer, AFTER_QUESTION, docs, documents_fallback="ordinary")
+    assert prompt == {"prompt": hf_render(tokenizer, chat_template=AFTER_QUESTION)(MESSAGES, docs),
+                      DOCUMENTS_KEY: UNCHUNKED}
+    conversation, prompt = _hook_render(tokenizer, None, docs, documents_fallback="ordinary", max_chunks=2)
+    assert prompt == {"prompt": place(tokenizer, docs).text, DOCUMENTS_KEY: UNCHUNKED}
+    assert conversation[-1]["content"].startswith(docs[0]["text"])
+    with pytest.raises(Unchunkable, match="3 documents, more than max_chunks=2"):
+        _hook_render(tokenizer, None, docs, max_chunks=2)
+    with pytest.raises(DocumentError, match="document 2 repeats document 1"):
+        _hook_render(tokenizer, AFTER_QUESTION, [docs[0], docs[0]], documents_fallback="ordinary")
 
 
 def test_documents_for_another_renderer_are_refused():

@@ -53,6 +53,23 @@ def test_role_change_changes_the_salt(tokenizer, annotator):
     assert short.cache_salt != long.cache_salt
 
 
+def test_an_unchunked_documents_request_is_ordinary_never_separator_split_and_marked(tokenizer, annotator):
+    """documents_fallback='ordinary': a documents request graphchunk could not chunk arrives with
+    UNCHUNKED; no separator detection runs (its text has one), the worker is told to count it,
+    and a client cannot send that mark itself."""
+    from graphchunk.engine.document_hooks import UNCHUNKED
+    from graphchunk.engine.frontend import UNCHUNKED_ARG
+
+    req = request(tokenizer, "Sys. ## Doc one. ## Question?", salt="s", extra_args={MODE_ARG: "blend"})
+    annotator.annotate(req, UNCHUNKED)
+    assert req.cache_salt == "s" and req.sampling_params.extra_args == {UNCHUNKED_ARG: True}
+    forged = request(tokenizer, "What is the capital of France?", extra_args={UNCHUNKED_ARG: True})
+    annotator.annotate(forged)
+    assert not forged.sampling_params.extra_args
+    with pytest.raises(SegmentationError, match="cannot also send graphchunk_boundaries"):
+        annotator.annotate(request(tokenizer, "a b c", extra_args={BOUNDARIES_ARG: [1, 2]}), UNCHUNKED)
+
+
 def test_ordinary_prompt_is_untouched(tokenizer, annotator):
     req = request(tokenizer, "What is the capital of France?", salt="s")
     annotator.annotate(req)

@@ -110,7 +110,8 @@ def server_a(tiny, store, precomputed, precomputed_documents):
 
 @pytest.fixture(scope="module")
 def server_b(tiny, store, server_a):
-    llm = engine(tiny, store, host_bytes=64 << 20)  # with a host-memory tier in front of the directory
+    # with a host-memory tier in front of the directory; unchunkable documents run as ordinary prompts
+    llm = engine(tiny, store, host_bytes=64 << 20, documents_fallback="ordinary")
     yield llm
     llm.shutdown()
 
@@ -207,6 +208,30 @@ def test_two_live_servers_reuse_each_others_chunks(server_a, server_b, tiny_orac
     assert run(server_b, tiny_oracle, RagPrompt("Be brief.", theirs, QUESTION, extra=blend))["misses"] == 2
     moved = run(server_a, tiny_oracle, RagPrompt("Say it once.", theirs[::-1], QUESTION, extra=blend))
     assert (moved["blend_tier_hits"], moved["misses"]) == (2, 0)
+
+
+AFTER_QUESTION = """{% for m in messages %}{{ m['content'] }}
+{% endfor %}{% for d in documents %}{{ d['text'] }}
+{% endfor %}"""
+"""A chat template graphchunk cannot chunk documents under: they follow the question."""
+
+
+def test_documents_fallback_runs_unchunkable_requests_as_ordinary_prompts(server_a, server_b, tiny_oracle):
+    """documents_fallback='ordinary' (server B): documents its template puts after the question run
+    as vLLM renders them, an ordinary prompt (HF's causal forward), counted; the separator inside a
+    document splits nothing. Server A (the default, 'refuse') answers the same request with an error."""
+    messages = document_messages(SYS, QUESTION)
+    documents = [{"text": "Rome ## Italy"}, *({"text": d} for d in docs(1))]
+    with pytest.raises(ValueError, match="places the documents after the question"):
+        server_a.chat(messages, sampling(), documents=documents, chat_template=AFTER_QUESTION)
+    before = server_b.stats()
+    (output,) = server_b.chat(messages, sampling(), documents=documents, chat_template=AFTER_QUESTION)
+    moved = {name: server_b.stats()[name] - before[name] for name in before}
+    text = hf_render(server_b.tokenizer, chat_template=AFTER_QUESTION)(messages, documents)
+    assert list(output.prompt_token_ids) == server_b.tokenizer.encode(text, add_special_tokens=False)
+    expected, _ = tiny_oracle.causal_generate(list(output.prompt_token_ids), len(output.outputs[0].token_ids))
+    assert list(output.outputs[0].token_ids) == expected
+    assert (moved["documents_unchunked"], moved["lookups"]) == (1, 0)
 
 
 def _rewrite_header(path, change) -> None:

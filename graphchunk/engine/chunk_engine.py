@@ -27,7 +27,7 @@ import torch
 from graphchunk.cache.chunk_cache import ChunkCache
 from graphchunk.config import GraphChunkConfig
 from graphchunk.engine.blend_support import BlendSupport
-from graphchunk.engine.frontend import ChunkRequest, chunk_request
+from graphchunk.engine.frontend import UNCHUNKED_ARG, ChunkRequest, chunk_request
 from graphchunk.engine.runner_kv import RunnerKV
 from graphchunk.engine.step_plan import StepPlan, plan_step
 from graphchunk.graphs.bucket_counts import BucketCounts
@@ -67,6 +67,8 @@ class ChunkEngine:
 
     def _register(self, new_req) -> None:
         args = (new_req.sampling_params.extra_args or {}) if new_req.sampling_params else {}
+        if args.get(UNCHUNKED_ARG):
+            self.metrics.documents_unchunked += 1
         request = chunk_request(new_req.prompt_token_ids, args, self.config)
         if request is None or (request.policy is not None and not self.blend.runs(request.policy)):
             return  # an ordinary prompt: vLLM computes the full prefill (blend's target, too)

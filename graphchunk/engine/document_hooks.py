@@ -13,7 +13,10 @@ documents too (``documents.place_document_parts``: parts marked ``"graphchunk_do
 or every part but the last with ``chat_template_kwargs.graphchunk_document_parts``). Other
 renderers (Mistral's, DeepSeek's, Cohere's melody with ``--tokenizer-mode cohere``) render
 chats without a template graphchunk can probe: their documents requests are refused, never run
-as prompts graphchunk cannot chunk (nor separator-split).
+as prompts graphchunk cannot chunk (nor separator-split). With ``documents_fallback='ordinary'``
+a documents request graphchunk cannot chunk (``documents.Unchunkable``, or another renderer's)
+runs as an ordinary prompt instead, marked ``UNCHUNKED`` so that ``annotate`` runs no separator
+detection on it and the worker counts it.
 """
 from __future__ import annotations
 
@@ -23,6 +26,9 @@ import dataclasses
 from graphchunk.engine.frontend import DOCUMENTS_KEY, DocumentBoundaries
 
 _SETTINGS = "_graphchunk_document_settings"
+UNLIMITED = 1 << 62
+UNCHUNKED = DocumentBoundaries((), 0)
+"""A documents request run as an ordinary prompt (``documents_fallback='ordinary'``)."""
 
 
 def install(request_error: type) -> None:
@@ -57,25 +63,36 @@ def install(request_error: type) -> None:
 
 
 def _refuse_other_renderers(base, hf_renderer, request_error) -> None:
-    """Documents requests to a graphchunk engine whose renderer is not vLLM's HF one: a clear error."""
-    def refuse(renderer, conversations, chat_params):
+    """Documents requests to a graphchunk engine whose renderer is not vLLM's HF one: a clear
+    error, or (``documents_fallback='ordinary'``) ordinary prompts marked ``UNCHUNKED``."""
+    def unchunked(renderer, conversations, chat_params) -> list[bool]:
+        """Which conversations are documents requests this renderer cannot chunk; raises unless
+        the engine's ``documents_fallback`` runs them as ordinary prompts."""
         if isinstance(renderer, hf_renderer):
-            return
-        if any(_documents_settings(renderer, conversation, chat_params) for conversation in conversations):
+            return []
+        settings = [_documents_settings(renderer, conversation, chat_params) for conversation in conversations]
+        if any(s is not None and s.documents_fallback != "ordinary" for s in settings):
             raise request_error(f"graphchunk finds documents in what vLLM's Hugging Face chat-template renderer "
                                 f"renders; this model's chats are rendered by {type(renderer).__name__} "
                                 "(--tokenizer-mode): send the documents in the prompt, or serve with "
                                 "--tokenizer-mode hf")
+        return [s is not None for s in settings]
+
+    def marked(rendered, which: list[bool]):
+        for engine_input, ordinary in zip(rendered[1], which):
+            if ordinary:
+                engine_input[DOCUMENTS_KEY] = UNCHUNKED
+        return rendered
 
     render_chat, render_chat_async = base.render_chat, base.render_chat_async
 
     def checked_render_chat(self, conversations, chat_params, *args, **kwargs):
-        refuse(self, conversations, chat_params)
-        return render_chat(self, conversations, chat_params, *args, **kwargs)
+        which = unchunked(self, conversations, chat_params)
+        return marked(render_chat(self, conversations, chat_params, *args, **kwargs), which)
 
     async def checked_render_chat_async(self, conversations, chat_params, *args, **kwargs):
-        refuse(self, conversations, chat_params)
-        return await render_chat_async(self, conversations, chat_params, *args, **kwargs)
+        which = unchunked(self, conversations, chat_params)
+        return marked(await render_chat_async(self, conversations, chat_params, *args, **kwargs), which)
 
     base.render_chat, base.render_chat_async = checked_render_chat, checked_render_chat_async
 
@@ -83,8 +100,8 @@ def _refuse_other_renderers(base, hf_renderer, request_error) -> None:
 def _render(renderer, render_messages, messages, params, settings):
     """(conversation, tokens prompt) of a documents request; the conversation is the one vLLM
     parsed for the prompt actually sent (not one of ``place_documents``' marker renders)."""
-    from graphchunk.documents import (DOCUMENT_PARTS, DocumentError, marks_document_parts, place_document_parts,
-                                      place_documents)
+    from graphchunk.documents import (DOCUMENT_PARTS, DocumentError, Unchunkable, marks_document_parts,
+                                      place_document_parts, place_documents)
 
     conversations = []
 
@@ -103,16 +120,30 @@ def _render(renderer, render_messages, messages, params, settings):
     every_part = params.chat_template_kwargs.get(DOCUMENT_PARTS, False)
     if not isinstance(every_part, bool):
         raise DocumentError(f"{DOCUMENT_PARTS} must be true or false, got {every_part!r:.40}")
-    limits = {"max_chunks": settings.max_chunks, "max_chunk_len": settings.max_chunk_len}
-    if every_part or marks_document_parts(messages):
-        if documents:
-            raise DocumentError("send documents either in the documents field or as content parts, not both")
-        placed = place_document_parts(render, messages, renderer.get_tokenizer(), every_part=every_part, **limits)
-    else:
-        placed = place_documents(render, messages, documents, renderer.get_tokenizer(), **limits)
-    prompt = {"prompt_token_ids": placed.token_ids, "prompt": placed.text,
-              DOCUMENTS_KEY: DocumentBoundaries(tuple(placed.boundaries), len(placed.token_ids))}
-    return next(conv for text, conv in conversations if text == placed.text), prompt
+    in_parts = every_part or marks_document_parts(messages)
+    if in_parts and documents:
+        raise DocumentError("send documents either in the documents field or as content parts, not both")
+
+    def place(max_chunks: int, max_chunk_len: int):
+        if in_parts:
+            return place_document_parts(render, messages, renderer.get_tokenizer(), every_part=every_part,
+                                        max_chunks=max_chunks, max_chunk_len=max_chunk_len)
+        return place_documents(render, messages, documents, renderer.get_tokenizer(), max_chunks=max_chunks,
+                               max_chunk_len=max_chunk_len)
+
+    try:
+        placed = place(settings.max_chunks, settings.max_chunk_len)
+        prompt = {"prompt_token_ids": placed.token_ids, "prompt": placed.text,
+                  DOCUMENTS_KEY: DocumentBoundaries(tuple(placed.boundaries), len(placed.token_ids))}
+    except Unchunkable:
+        if settings.documents_fallback != "ordinary":
+            raise
+        try:  # graphchunk's placement, without the limits; else the template's own rendering
+            text = place(UNLIMITED, UNLIMITED).text
+        except Unchunkable:
+            text = render(messages, None if in_parts else documents)
+        prompt = {"prompt": text, DOCUMENTS_KEY: UNCHUNKED}
+    return next(conv for text, conv in conversations if text == prompt["prompt"]), prompt
 
 
 def _carry_through(base) -> None:

@@ -41,6 +41,9 @@ TOKENS_ARG = "graphchunk_recompute_tokens"
 TEMPERATURE_ARG = "graphchunk_key_temperature"
 """isolated: the question's logits to chunk tokens divided by it, a number > 0 (default:
 ``graphchunk.key_temperature``)."""
+UNCHUNKED_ARG = "graphchunk_documents_unchunked"
+"""extra_args key set here: a documents request run as an ordinary prompt (``documents_fallback``),
+counted by the worker."""
 DOCUMENTS_KEY = "graphchunk_documents"
 """Key of a rendered prompt dict (and the engine input made of it) carrying a documents request's
 ``DocumentBoundaries`` from vLLM's renderer to ``annotate`` (``document_hooks``)."""
@@ -78,11 +81,14 @@ class RequestAnnotator:
                 documents: DocumentBoundaries | None = None) -> SegmentedPrompt | None:
         """The request's segmentation; None for an ordinary prompt. Raises ValueError on bad input.
         A documents request (``documents``) is split where its documents are; it never runs
-        separator detection and cannot also send boundaries."""
+        separator detection and cannot also send boundaries; one without boundaries runs as an
+        ordinary prompt (``documents_fallback``)."""
         if documents is not None:
             if BOUNDARIES_ARG in extra_args:
                 raise SegmentationError(f"a request with documents cannot also send {BOUNDARIES_ARG}: "
                                         "the documents are its chunks")
+            if not documents.boundaries:
+                return None
             if len(token_ids) != documents.num_tokens:
                 raise SegmentationError("a documents request's prompt cannot be truncated "
                                         "(truncate_prompt_tokens): its chunks would move")
@@ -104,12 +110,15 @@ class RequestAnnotator:
             return
         args = dict(params.extra_args or {})
         args.pop(SALT_ARG, None)
+        args.pop(UNCHUNKED_ARG, None)
         mode, policy = resolve_mode(args, self.config, self.blend_refusal)
         temperature = resolve_temperature(args, self.config, mode, self.temperature_refusal)
         seg = self.segment(request.prompt_token_ids, args, documents)
         if seg is None or seg.layout.num_chunks == 0:
             for key in (BOUNDARIES_ARG, *MODE_ARGS):  # no chunks: exactly an ordinary causal prompt
                 args.pop(key, None)
+            if documents is not None:
+                args[UNCHUNKED_ARG] = True
             params.extra_args = args or None
             return
         if params.prompt_logprobs is not None:
