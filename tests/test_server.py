@@ -314,6 +314,19 @@ def oracle_reference(oracle, placed) -> tuple[list[int], list[int]]:
     return placed.token_ids, oracle_tokens(oracle, placed.token_ids, seg.layout)
 
 
+def sdk_answers(server, tokenizer, messages, body: dict, stream: bool, prompt_ids, expected) -> None:
+    """One chat completion through the openai SDK, streamed or not: its answer is ``expected``
+    (unstreamed, token for token, and its prompt ``prompt_ids``)."""
+    reply = sdk(server).chat.completions.create(model=server.model, messages=messages, temperature=0,
+                                                max_tokens=MAX_TOKENS, stream=stream,
+                                                extra_body={**body, "return_token_ids": True})
+    if stream:
+        text = "".join(chunk.choices[0].delta.content or "" for chunk in reply if chunk.choices)
+        assert text == tokenizer.decode(expected, skip_special_tokens=True)
+    else:
+        assert reply.prompt_token_ids == prompt_ids and reply.choices[0].token_ids == expected
+
+
 def moved(server, before: dict, *names: str) -> tuple[float, ...]:
     after = server.metrics()
     return tuple(after[f"graphchunk_{n}_total"] - before.get(f"graphchunk_{n}_total", 0) for n in names)
@@ -322,7 +335,6 @@ def moved(server, before: dict, *names: str) -> tuple[float, ...]:
 def test_documents_through_the_openai_sdk_match_the_oracle_and_hit_reordered(server, oracle, tokenizer):
     """extra_body documents (and chat_template_kwargs.documents), streamed and not: one lookup per
     document, every one a hit when they come back reordered, answers equal to the oracle's."""
-    client = sdk(server)
     docs = [{"title": topic, "text": words(topic, 40)} for topic in ("for", "try", "with")]
     messages = document_messages(DOC_SYS, "Which statement handles exceptions?")
     cases = [([0, 1, 2], "documents", False, "misses"), ([2, 0, 1], "documents", True, "hits"),
@@ -332,14 +344,7 @@ def test_documents_through_the_openai_sdk_match_the_oracle_and_hit_reordered(ser
         prompt_ids, expected = placed_reference(oracle, tokenizer, messages, documents)
         body = {"documents": documents} if where == "documents" else {"chat_template_kwargs": {"documents": documents}}
         before = server.metrics() if _published(server) else {}
-        reply = client.chat.completions.create(model=server.model, messages=messages, temperature=0,
-                                               max_tokens=MAX_TOKENS, stream=stream,
-                                               extra_body={**body, "return_token_ids": True})
-        if stream:
-            text = "".join(chunk.choices[0].delta.content or "" for chunk in reply if chunk.choices)
-            assert text == tokenizer.decode(expected, skip_special_tokens=True), order
-        else:
-            assert reply.prompt_token_ids == prompt_ids and reply.choices[0].token_ids == expected, order
+        sdk_answers(server, tokenizer, messages, body, stream, prompt_ids, expected)
         assert moved(server, before, "lookups", counted) == (3, 3), (order, where)
 
 
@@ -369,7 +374,6 @@ def test_content_part_documents_through_the_openai_sdk(server, oracle, tokenizer
     streamed and not: the message as vLLM renders it, one lookup per part, all hits reordered,
     answers equal to the oracle's."""
     texts = [f"# {topic}\n\n## Usage\n\n{words(topic, 30)}" for topic in ("function", "class", "lambda")]
-    client = sdk(server)
     for order, every_part, stream, counted in (([0, 1, 2], False, False, "misses"), ([2, 1, 0], False, True, "hits"),
                                                ([1, 0, 2], True, False, "hits")):
         parts = [{"type": "text", "text": texts[i], **({} if every_part else {DOCUMENT_PART: True})} for i in order]
@@ -380,14 +384,7 @@ def test_content_part_documents_through_the_openai_sdk(server, oracle, tokenizer
         prompt_ids, expected = oracle_reference(oracle, placed)
         body = {"chat_template_kwargs": {"graphchunk_document_parts": True}} if every_part else {}
         before = server.metrics() if _published(server) else {}
-        reply = client.chat.completions.create(model=server.model, messages=messages, temperature=0,
-                                               max_tokens=MAX_TOKENS, stream=stream,
-                                               extra_body={**body, "return_token_ids": True})
-        if stream:
-            text = "".join(chunk.choices[0].delta.content or "" for chunk in reply if chunk.choices)
-            assert text == tokenizer.decode(expected, skip_special_tokens=True), order
-        else:
-            assert reply.prompt_token_ids == prompt_ids and reply.choices[0].token_ids == expected, order
+        sdk_answers(server, tokenizer, messages, body, stream, prompt_ids, expected)
         assert moved(server, before, "lookups", counted) == (3, 3), (order, every_part)
 
 
