@@ -14,19 +14,24 @@ Where the documents go:
   the message's own text after them.
 
 Locating them: the template is rendered with every document field replaced by a unique marker
-(and the last user message's text by another). A document spans its markers; the template text
-that follows every document alike (the longest common prefix of the texts after each document:
-its *trailer*, e.g. "\\n\\n" or "<|end_of_text|>\\n") and the template text that precedes every
-document alike (the longest common suffix of the texts before each document, trailer removed:
-its *header*, e.g. "<|start_of_role|>document ") belong to the document's chunk, so a document
-renders to the same tokens wherever it appears. Both are learned from a render with one more
-document, so that even one document has a neighbour. Template text between a trailer and the
-next header that differs from document to document (a number: "Document 2:") goes with the
-following chunk: such a document's tokens depend on its place, and reordered it is a miss.
+(and the last user message's text by another). A document spans its markers. The template text
+that follows every document alike (the longest common prefix of the texts after each document,
+up to its last line end: the *trailer*, e.g. "\\n\\n" or "<|end_of_text|>\\n") ends the
+document's chunk; everything between one document's trailer and the next document (its
+*header*: "<|start_of_role|>document ", a "title: " of graphchunk's form) starts the next chunk.
+The first document's header is learned from a render with one more document ahead of them,
+shaped like the first: what precedes a document that follows another. So a document renders to
+the same tokens wherever it appears, unless the template writes something that depends on its
+place (a number: "Document 2:"): then the first document's chunk starts where its header and the
+probe's agree, and a reordered document is a miss.
 
 Each segment's text is tokenized alone (``add_special_tokens=False``: the template writes its
 own special tokens) and the pieces are joined, so no token straddles a boundary and a chunk's
-tokens never depend on its neighbours. Every failure is a ``DocumentError`` naming the document.
+tokens never depend on its neighbours. The joined tokens must spell the rendered text exactly: a
+tokenizer that prefixes a text tokenized alone (SentencePiece's dummy prefix, Llama 2 and
+Mistral: "▁" would add a space before every document) tokenizes each segment after the first
+behind a newline whose tokens are dropped (``_piece_tokens``); where neither spells the text the
+request is ``Unchunkable``. Every failure is a ``DocumentError`` naming the document.
 """
 from __future__ import annotations
 
@@ -54,8 +59,8 @@ class DocumentError(SegmentationError):
 
 
 class Unchunkable(DocumentError):
-    """Well-formed documents graphchunk cannot chunk (the template's placement, or the limits): with
-    ``documents_fallback='ordinary'`` the request runs as an ordinary prompt instead."""
+    """Well-formed documents graphchunk cannot chunk (the template's placement, the tokenizer, or the
+    limits): with ``documents_fallback='ordinary'`` the request runs as an ordinary prompt instead."""
 
 
 @dataclass(frozen=True)
@@ -73,8 +78,8 @@ def validate_documents(documents: Any, max_chunks: int) -> list[dict[str, str]]:
     a citation handle that may depend on the document's position, is not rendered."""
     if not isinstance(documents, list):
         raise DocumentError(f"documents must be a list of objects, got {type(documents).__name__}")
-    if len(documents) > max_chunks:
-        raise Unchunkable(f"{len(documents)} documents, more than max_chunks={max_chunks}")
+    if not documents:
+        raise DocumentError("documents must hold at least one document")
     documents = [_cohere_data(doc) for doc in documents]
     seen: dict[tuple, int] = {}
     for i, doc in enumerate(documents, 1):
@@ -89,6 +94,8 @@ def validate_documents(documents: Any, max_chunks: int) -> list[dict[str, str]]:
         if identity in seen:
             raise DocumentError(f"document {i} repeats document {seen[identity]}")
         seen[identity] = i
+    if len(documents) > max_chunks:
+        raise Unchunkable(f"{len(documents)} documents, more than max_chunks={max_chunks}")
     return documents
 
 
@@ -127,6 +134,17 @@ def place_documents(render: Render, messages: list, documents: list[dict[str, st
     return _locate(places, documents, question, marks, tokenizer, max_chunk_len)
 
 
+def unchunked_text(render: Render, messages: list, documents: list[dict[str, str]]) -> str:
+    """The prompt text of a documents request run as an ordinary prompt (``documents_fallback``):
+    placed as ``place_documents`` places them (by the template, else leading the last user
+    message), never without its documents."""
+    rendered = render(messages, documents)
+    if _uses_documents(render, messages, rendered):
+        return rendered
+    last_user = _last_user_message(messages)
+    return render(_place(messages, last_user, documents, messages[last_user]["content"]), None)
+
+
 def place_document_parts(render: Render, messages: list, tokenizer, *, every_part: bool, max_chunks: int,
                          max_chunk_len: int) -> DocumentPrompt:
     """The prompt of ``messages`` whose last user message leads with documents as content parts:
@@ -138,7 +156,7 @@ def place_document_parts(render: Render, messages: list, tokenizer, *, every_par
     last_user = _last_user_message(messages)
     parts, question = _document_parts(messages, last_user, every_part)
     documents = validate_documents([{"text": part["text"]} for part in parts], max_chunks)
-    shapes = parts + parts[-1:]  # the probe's extra document is shaped like the last one
+    shapes = parts[:1] + parts  # the probe's extra document leads, shaped like the first
 
     def in_parts(docs, question_parts):
         doc_parts = [{**shape, "text": doc["text"]} for shape, doc in zip(shapes, docs)]
@@ -148,8 +166,8 @@ def place_document_parts(render: Render, messages: list, tokenizer, *, every_par
 
 
 def marks_document_parts(messages: list) -> bool:
-    """Whether any message has a content part marked as a document (``DOCUMENT_PART``)."""
-    return any(isinstance(part, dict) and DOCUMENT_PART in part
+    """Whether any message has a content part marked as a document (``DOCUMENT_PART`` other than false)."""
+    return any(isinstance(part, dict) and part.get(DOCUMENT_PART, False) is not False
                for message in messages if isinstance(message, dict) and isinstance(message.get("content"), list)
                for part in message["content"])
 
@@ -177,6 +195,8 @@ def _document_parts(messages: list, last_user: int, every_part: bool) -> tuple[l
                                 "to be a document")
     if count == len(content):
         raise DocumentError("the last user message needs a part after its documents: the question")
+    if count == 0:
+        raise DocumentError("the last user message has no document parts before its question")
     return content[:count], content[count:]
 
 
@@ -187,10 +207,10 @@ def _locate(compose, documents: list[dict[str, str]], question, marks: "_Markers
     marked_docs = [marks.document(i, doc) for i, doc in enumerate(documents)]
     marked_question = marks.question(question)
     rendered = compose(marked_docs, marked_question)
-    spans = marks.spans(rendered, len(documents))
-    probe_doc = marks.document(len(documents), documents[-1])
-    probe = compose(marked_docs + [probe_doc], marked_question)
-    header, trailer = _header_trailer(probe, marks.spans(probe, len(documents) + 1))
+    spans = marks.spans(rendered, range(len(documents)))
+    probe = compose([marks.document(len(documents), documents[0]), *marked_docs], marked_question)
+    header, trailer = _header_trailer(probe, marks.spans(probe, [len(documents), *range(len(documents))]),
+                                      rendered[:spans[0][0]])
     cuts = _cuts(rendered, spans, header, trailer)
     question_at = marks.question_start(rendered)
     if question_at is not None and question_at < cuts[-1]:
@@ -199,8 +219,8 @@ def _locate(compose, documents: list[dict[str, str]], question, marks: "_Markers
     pieces = [marks.substitute(rendered[a:b], documents, question)
               for a, b in zip([0, *cuts], [*cuts, len(rendered)])]
     if "".join(pieces) != compose(documents, question):
-        raise Unchunkable("the chat template changes the documents' text as it renders them "
-                            "(a filter or a slice), so graphchunk cannot locate them")
+        raise Unchunkable("the chat template changes the documents' or the question's text as it renders "
+                          "them (a filter such as trim, or a slice), so graphchunk cannot locate them")
     return _tokenized(tokenizer, pieces, max_chunk_len)
 
 
@@ -213,7 +233,7 @@ def _uses_documents(render: Render, messages: list, rendered: str) -> bool:
 
 
 def _tokenized(tokenizer, pieces: list[str], max_chunk_len: int) -> DocumentPrompt:
-    ids = [tokenizer.encode(piece, add_special_tokens=False) if piece else [] for piece in pieces]
+    ids = _piece_tokens(tokenizer, pieces)
     for i, chunk in enumerate(ids[1:-1], 1):
         if len(chunk) > max_chunk_len:
             raise Unchunkable(f"document {i} has {len(chunk)} tokens, more than max_chunk_len={max_chunk_len}")
@@ -221,6 +241,36 @@ def _tokenized(tokenizer, pieces: list[str], max_chunk_len: int) -> DocumentProm
         raise DocumentError("the question (what follows the last document) is empty")
     boundaries = list(accumulate(len(piece) for piece in ids[:-1]))
     return DocumentPrompt([t for piece in ids for t in piece], boundaries, "".join(pieces))
+
+
+ANCHOR = "\n"
+"""Written before a piece tokenized as inside a text (its tokens dropped again), for tokenizers that
+prefix a text tokenized alone (SentencePiece's dummy prefix ``▁``: Llama 2, Mistral)."""
+
+
+def _piece_tokens(tokenizer, pieces: list[str]) -> list[list[int]]:
+    """Each piece's tokens, tokenized apart from its neighbours, such that together they spell the
+    whole text exactly (decoded, as the whole text's own tokens decode): each piece alone, or,
+    where that changes the text (a prefix on every piece), each piece after the first behind
+    ``ANCHOR``, the anchor's tokens dropped. Unchunkable when neither spells the text."""
+    text = "".join(pieces)
+    target = _decoded(tokenizer, tokenizer.encode(text, add_special_tokens=False))
+    ids = [tokenizer.encode(piece, add_special_tokens=False) if piece else [] for piece in pieces]
+    if _decoded(tokenizer, [t for piece in ids for t in piece]) == target:
+        return ids
+    anchor = tokenizer.encode(ANCHOR, add_special_tokens=False)
+    anchored = [tokenizer.encode(ANCHOR + piece, add_special_tokens=False) if piece else anchor
+                for piece in pieces[1:]]
+    if all(piece[:len(anchor)] == anchor for piece in anchored):
+        ids = ids[:1] + [piece[len(anchor):] for piece in anchored]  # the first piece starts the text
+        if _decoded(tokenizer, [t for piece in ids for t in piece]) == target:
+            return ids
+    raise Unchunkable("the tokenizer cannot tokenize the documents apart from their neighbours without "
+                      "changing the prompt's text (it rewrites a text tokenized alone)")
+
+
+def _decoded(tokenizer, ids: list[int]) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
 
 def _last_user_message(messages: list) -> int:
@@ -266,10 +316,11 @@ class _Markers:
         return [{**part, "text": self._mark(("q", j))} if isinstance(part, dict) and part.get("type") == "text"
                 else part for j, part in enumerate(content)]
 
-    def spans(self, text: str, num_documents: int) -> list[tuple[int, int]]:
-        """[first marker start, last marker end) of each document, in rendered order."""
+    def spans(self, text: str, order: Sequence[int]) -> list[tuple[int, int]]:
+        """[first marker start, last marker end) of each document of ``order``, the order they must
+        render in."""
         spans = []
-        for i in range(num_documents):
+        for i in order:
             marks = [m for m, what in self.values.items() if what[:2] == ("d", i)]
             if any(text.count(m) > 1 for m in marks):
                 raise Unchunkable(f"the chat template renders document {i + 1} more than once")
@@ -300,25 +351,31 @@ class _Markers:
         return text
 
 
-def _header_trailer(text: str, spans: list[tuple[int, int]]) -> tuple[str, str]:
-    """The template text before and after every document alike (see the module docstring)."""
-    after = [text[b:a] for (_, b), (a, _) in zip(spans, spans[1:])] + [text[spans[-1][1]:]]
+def _header_trailer(probe: str, spans: list[tuple[int, int]], before_first: str) -> tuple[str, str]:
+    """(the first document's header, the trailer) from the ``probe`` render, whose first document
+    is the probe (see the module docstring); ``before_first``: the prompt's text before its first
+    document."""
+    after = [probe[b:a] for (_, b), (a, _) in zip(spans, spans[1:])] + [probe[spans[-1][1]:]]
     trailer = os.path.commonprefix(after)
-    before = [text[:spans[0][0]]] + [gap[len(trailer):] for gap in after[:-1]]
-    header = os.path.commonprefix([s[::-1] for s in before])[::-1]
+    if "\n" in trailer:  # the rest of the line starts what follows (the next header, the question)
+        trailer = trailer[:trailer.rindex("\n") + 1]
+    header = after[0][len(trailer):]
+    if not before_first.endswith(header):  # the header depends on the place: as much as is shared
+        header = os.path.commonprefix([header[::-1], before_first[::-1]])[::-1]
     return header, trailer
 
 
 def _cuts(text: str, spans: list[tuple[int, int]], header: str, trailer: str) -> list[int]:
-    """Character offsets where each document's chunk starts and where the question starts."""
-    for i, (start, end) in enumerate(spans):
-        if text[start - len(header):start] != header or text[end:end + len(trailer)] != trailer:
+    """Character offsets where each document's chunk starts and where the question starts: the
+    first document's header, then each trailer's end."""
+    for i, (_, end) in enumerate(spans):
+        if text[end:end + len(trailer)] != trailer:
             raise Unchunkable(f"document {i + 1} is rendered unlike the others; graphchunk cannot find "
-                                "where its chunk begins and ends")
+                              "where its chunk ends")
     cuts = [spans[0][0] - len(header)] + [end + len(trailer) for _, end in spans]
-    if any(b > a - len(header) for b, (a, _) in zip(cuts[1:], spans[1:])):
+    if any(b > a for b, (a, _) in zip(cuts[1:], spans[1:])):
         raise Unchunkable("the chat template renders documents too close together to tell their "
-                            "chunks apart")
+                          "chunks apart")
     return cuts
 
 

@@ -86,10 +86,38 @@ def test_graphchunk_places_documents_the_documented_way(tokenizer):
 
 
 def test_a_header_belongs_to_its_document(tokenizer):
+    """A document's chunk is its whole turn: header, text, trailer up to its line end."""
     placed = place(tokenizer, DOCS[:2], GRANITE)
     first = tokenizer.decode(chunks(placed)[0])
-    assert first.startswith('document {"document_id": "a1"}') and "Paris" in first
-    assert tokenizer.decode(placed.token_ids[placed.boundaries[-1]:]).startswith("user")
+    assert first == '<|start_of_role|>document {"document_id": "a1"}<|end_of_role|>\nParis is the capital of France.<|end_of_text|>\n'
+    assert tokenizer.decode(placed.token_ids[placed.boundaries[-1]:]).startswith("<|start_of_role|>user")
+
+
+COND = """{{ messages[0]['content'] }}
+{% for d in documents %}[doc]{% if d.title %} Title: {{ d.title }}
+{% endif %}{{ d['text'] }}
+{% endfor %}Q: {{ messages[-1]['content'] }}"""
+"""A template that writes a field only where a document has it."""
+XML = """{{ messages[0]['content'] }}
+{% for d in documents %}<doc>{{ d['text'] }}</doc>
+{% endfor %}<question>{{ messages[-1]['content'] }}</question>"""
+"""What follows the last document shares its first character with a document's header."""
+
+
+@pytest.mark.parametrize("template, documents, first", [
+    (None, [{"title": "France", "text": "Paris."}, {"text": "Rome."}], "title: France\nParis.\n\n"),
+    (None, [{"title": "France", "text": "Paris."}, {"source": "atlas", "text": "Rome."}], "title: France\nParis.\n\n"),
+    (COND, [{"title": "France", "text": "Paris."}, {"text": "Rome."}], "[doc] Title: France\nParis.\n"),
+    (XML, [{"text": "Paris."}, {"text": "Rome."}], "<doc>Paris.</doc>\n"),
+], ids=["graphchunk-title", "graphchunk-other-fields", "conditional-field", "shared-first-character"])
+def test_a_documents_header_is_its_own_even_when_first(tokenizer, template, documents, first):
+    """The first document's header (its own fields' labels too) is in its chunk, never in sys, and
+    a chunk ends at its trailer's line end: the same chunks in either order."""
+    placed, swapped = place(tokenizer, documents, template), place(tokenizer, documents[::-1], template)
+    assert tokenizer.decode(chunks(placed)[0]) == first
+    assert chunks(swapped) == chunks(placed)[::-1]
+    sys_text = tokenizer.decode(placed.token_ids[:placed.boundaries[0]])
+    assert sys_text.endswith("\n") and "France" not in sys_text
 
 
 def test_a_numbered_template_costs_identity(tokenizer):
@@ -121,6 +149,8 @@ def test_a_cohere_shaped_document_is_its_data(tokenizer, template):
     ([{"text": str(i)} for i in range(9)], {"max_chunks": 8}, "9 documents, more than max_chunks=8"),
     ([{"text": "a"}, {"text": "word " * 80}], {"max_chunk_len": 64}, "document 2 has 8[0-9] tokens, more than"),
     ({"text": "a"}, {}, "documents must be a list"),
+    ([], {}, "at least one document"),
+    ([{"text": "a"}, {"text": "a"}, {"text": "b"}], {"max_chunks": 2}, "document 2 repeats document 1"),
 ])
 def test_bad_documents_are_refused_naming_the_document(tokenizer, documents, limits, message):
     with pytest.raises(DocumentError, match=message):
@@ -129,7 +159,7 @@ def test_bad_documents_are_refused_naming_the_document(tokenizer, documents, lim
 
 @pytest.mark.parametrize("template, messages, message", [
     (AFTER_QUESTION, MESSAGES, "places the documents after the question"),
-    (REWRITES, MESSAGES, "changes the documents' text"),
+    (REWRITES, MESSAGES, "changes the documents' or the question's text"),
     (UPPER, MESSAGES, "document 1 could not be located"),
     (FIRST_ONLY, MESSAGES, "document 2 could not be located"),
     (None, MESSAGES[:1], "need a user message"),
@@ -137,6 +167,68 @@ def test_bad_documents_are_refused_naming_the_document(tokenizer, documents, lim
 def test_templates_graphchunk_cannot_follow_are_refused(tokenizer, template, messages, message):
     with pytest.raises(DocumentError, match=message):
         place(tokenizer, [{"text": "Paris."}, {"text": "Rome."}], template, messages)
+
+
+LLAMA2 = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}<<SYS>>\n{{ m['content'] }}\n"
+          "<</SYS>>\n\n{% elif m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]{% endif %}{% endfor %}")
+"""Llama 2's chat shape (system inside the first turn); it ignores documents."""
+
+
+def sentencepiece_tokenizer(*normalizers):
+    """A ``LlamaTokenizerFast`` with Llama 2's tokenizer.json pipeline (SentencePiece BPE over
+    ``▁`` for spaces, a dummy prefix ``▁`` on every text, byte fallback, its decoder), its vocabulary
+    trained here on CPython's help topics; ``normalizers`` replace the prefix and ``▁`` ones."""
+    from pydoc_data.topics import topics
+    from tokenizers import Tokenizer, decoders, models, normalizers as norm, trainers
+    from transformers import LlamaTokenizerFast
+
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    tok.normalizer = norm.Sequence(list(normalizers) or [norm.Prepend("▁"), norm.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    special = ["<unk>", "<s>", "</s>", *(f"<0x{i:02X}>" for i in range(256))]
+    tok.train_from_iterator([text.replace(" ", "▁") for text in list(topics.values())[:60]],
+                            trainers.BpeTrainer(vocab_size=1500, special_tokens=special, show_progress=False))
+    return LlamaTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                              legacy=False, chat_template=LLAMA2)
+
+
+def test_a_prefixing_tokenizer_spells_the_rendered_prompt_exactly():
+    """SentencePiece's dummy prefix makes every text tokenized alone start with a space: each
+    document after the first is tokenized as inside a text instead, so the prompt's tokens spell
+    exactly what the template renders (no space before a document or the question), and each
+    document still renders to the same tokens wherever it appears."""
+    sp = sentencepiece_tokenizer()
+    alone = [sp.encode(text, add_special_tokens=False) for text in ("Paris.", "Rome.")]
+    assert sp.decode(alone[0] + alone[1]) == "Paris. Rome."  # each text alone: "▁Paris.", "▁Rome."
+    documents = [{"text": d["text"]} for d in DOCS]
+    placed = place(sp, documents)
+    whole = sp.encode(placed.text, add_special_tokens=False)
+    assert sp.decode(placed.token_ids) == sp.decode(whole)
+    assert "[INST] Paris" in sp.decode(placed.token_ids) and "\n\nRome" in sp.decode(placed.token_ids)
+    assert [tok for tok in sp.convert_ids_to_tokens(placed.token_ids) if tok == "▁"] == [
+        tok for tok in sp.convert_ids_to_tokens(whole) if tok == "▁"]
+    again = place(sp, [documents[i] for i in (2, 0, 1)])
+    assert chunks(again) == [chunks(placed)[i] for i in (2, 0, 1)]
+
+
+def test_a_tokenizer_that_rewrites_a_text_alone_is_refused():
+    """A tokenizer whose pieces cannot spell the whole text (here: it strips every text's ends, so
+    the blank line after each document would vanish) is refused, never run on another text."""
+    from tokenizers import normalizers
+
+    strips = sentencepiece_tokenizer(normalizers.Strip(), normalizers.Replace(" ", "▁"))
+    docs = [{"text": "Paris."}, {"text": "Rome."}]
+    with pytest.raises(DocumentError, match="cannot tokenize the documents apart"):
+        place(strips, docs)
+    # documents_fallback='ordinary': the prompt graphchunk placed, documents and all, unchunked.
+    from graphchunk.engine.document_hooks import UNCHUNKED
+    from graphchunk.engine.frontend import DOCUMENTS_KEY
+
+    _, prompt = _hook_render(strips, None, docs, documents_fallback="ordinary")
+    user = "".join(d["text"] + "\n\n" for d in docs) + MESSAGES[1]["content"]
+    assert prompt == {"prompt": hf_render(strips)([MESSAGES[0], {"role": "user", "content": user}], None),
+                      DOCUMENTS_KEY: UNCHUNKED}
 
 
 def parts_messages(texts, question="Which city is in Italy?", marked=True) -> list[dict]:
@@ -182,6 +274,8 @@ DOC, QUESTION = {"type": "text", "text": "Rome.", DOCUMENT_PART: True}, {"type":
      "only the last user message's content parts can be documents"),
     ([MESSAGES[0], {"role": "user", "content": "Rome. Which?"}], True, "needs the last user message's content as a list"),
     (_parts(*[{**DOC, "text": str(i)} for i in range(9)], QUESTION), False, "9 documents, more than max_chunks=8"),
+    ([MESSAGES[0], {"role": "user", "content": [QUESTION]}], True, "no document parts before its question"),
+    (_parts({**DOC, DOCUMENT_PART: False}, QUESTION), False, "no document parts before its question"),
 ])
 def test_bad_document_parts_are_refused_naming_the_part(tokenizer, messages, every_part, message):
     with pytest.raises(DocumentError, match=message):
@@ -202,7 +296,12 @@ def test_the_renderer_hook_returns_the_sent_prompt_and_its_conversation(tokenize
     assert conversation[-1]["content"] == "".join(d["text"] + "\n\n" for d in docs) + MESSAGES[1]["content"]
 
 
-def _hook_render(tokenizer, template, documents, **settings):
+TRIMS = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+         "{{ m['content'] | trim }}<|eot_id|>{% endfor %}<|start_header_id|>assistant<|end_header_id|>\n\n")
+"""Llama 3's shape: it trims every message."""
+
+
+def _hook_render(tokenizer, template, documents, messages=MESSAGES, **settings):
     """document_hooks._render over vLLM's ChatParams and HF's template, under ``settings``."""
     from vllm.renderers.params import ChatParams
 
@@ -219,7 +318,7 @@ def _hook_render(tokenizer, template, documents, **settings):
             messages, docs)}
 
     params = ChatParams(chat_template_kwargs={"documents": documents})
-    return document_hooks._render(Renderer(), render_messages, MESSAGES, params, GraphChunkConfig(**settings))
+    return document_hooks._render(Renderer(), render_messages, messages, params, GraphChunkConfig(**settings))
 
 
 def test_documents_fallback_runs_unchunkable_documents_as_the_prompt_they_would_be(tokenizer):
@@ -241,6 +340,34 @@ def test_documents_fallback_runs_unchunkable_documents_as_the_prompt_they_would_
         _hook_render(tokenizer, None, docs, max_chunks=2)
     with pytest.raises(DocumentError, match="document 2 repeats document 1"):
         _hook_render(tokenizer, AFTER_QUESTION, [docs[0], docs[0]], documents_fallback="ordinary")
+    # Llama 3's shape trims a message: a question ending in a newline cannot be located, and the
+    # ordinary prompt keeps the documents graphchunk placed (the template would drop them).
+    trims = MESSAGES[:1] + [{"role": "user", "content": MESSAGES[1]["content"] + "\n"}]
+    with pytest.raises(Unchunkable, match="a filter such as trim"):
+        _hook_render(tokenizer, TRIMS, docs, messages=trims)
+    _, prompt = _hook_render(tokenizer, TRIMS, docs, messages=trims, documents_fallback="ordinary")
+    user = "".join(d["text"] + "\n\n" for d in docs) + trims[1]["content"]
+    assert prompt == {"prompt": hf_render(tokenizer, chat_template=TRIMS)([MESSAGES[0], {"role": "user", "content": user}],
+                                                                          None), DOCUMENTS_KEY: UNCHUNKED}
+
+
+def test_only_true_marks_make_a_documents_request():
+    """graphchunk_document_parts false, or parts marked false, are an ordinary chat request."""
+    from vllm.renderers.params import ChatParams
+
+    from graphchunk.config import GraphChunkConfig
+    from graphchunk.engine import document_hooks
+
+    class Renderer:
+        _graphchunk_document_settings = GraphChunkConfig()
+
+    def settings(messages, **kwargs):
+        return document_hooks._documents_settings(Renderer(), messages, ChatParams(chat_template_kwargs=kwargs))
+
+    assert settings(MESSAGES, graphchunk_document_parts=False) is None
+    assert settings(_parts({**DOC, DOCUMENT_PART: False}, QUESTION)) is None
+    assert settings(MESSAGES, documents=[]) is None
+    assert settings(_parts(DOC, QUESTION)) is settings(MESSAGES, graphchunk_document_parts=True) is not None
 
 
 def test_documents_for_another_renderer_are_refused():

@@ -26,7 +26,6 @@ import dataclasses
 from graphchunk.engine.frontend import DOCUMENTS_KEY, DocumentBoundaries
 
 _SETTINGS = "_graphchunk_document_settings"
-UNLIMITED = 1 << 62
 UNCHUNKED = DocumentBoundaries((), 0)
 """A documents request run as an ordinary prompt (``documents_fallback='ordinary'``)."""
 
@@ -101,7 +100,7 @@ def _render(renderer, render_messages, messages, params, settings):
     """(conversation, tokens prompt) of a documents request; the conversation is the one vLLM
     parsed for the prompt actually sent (not one of ``place_documents``' marker renders)."""
     from graphchunk.documents import (DOCUMENT_PARTS, DocumentError, Unchunkable, marks_document_parts,
-                                      place_document_parts, place_documents)
+                                      place_document_parts, place_documents, unchunked_text)
 
     conversations = []
 
@@ -138,10 +137,7 @@ def _render(renderer, render_messages, messages, params, settings):
     except Unchunkable:
         if settings.documents_fallback != "ordinary":
             raise
-        try:  # graphchunk's placement, without the limits; else the template's own rendering
-            text = place(UNLIMITED, UNLIMITED).text
-        except Unchunkable:
-            text = render(messages, None if in_parts else documents)
+        text = render(messages, None) if in_parts else unchunked_text(render, messages, documents)
         prompt = {"prompt": text, DOCUMENTS_KEY: UNCHUNKED}
     return next(conv for text, conv in conversations if text == prompt["prompt"]), prompt
 
@@ -173,7 +169,7 @@ def _documents_settings(renderer, messages, params):
     from graphchunk.documents import DOCUMENT_PARTS, marks_document_parts
 
     kwargs = params.chat_template_kwargs
-    if kwargs.get("documents") or DOCUMENT_PARTS in kwargs or marks_document_parts(messages):
+    if kwargs.get("documents") or kwargs.get(DOCUMENT_PARTS, False) is not False or marks_document_parts(messages):
         return _settings(renderer)
     return None
 
