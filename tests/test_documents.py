@@ -429,7 +429,7 @@ def test_a_template_that_renders_documents_through_the_engine(gc_llm, oracle, to
         placed = place(tokenizer, documents, GRANITE)
         assert list(out.prompt_token_ids) == placed.token_ids
         assert tokenizer.decode(out.prompt_token_ids[placed.boundaries[0]:]).startswith(
-            f'document {{"document_id": "{documents[0]["doc_id"]}"}}')
+            f'<|start_of_role|>document {{"document_id": "{documents[0]["doc_id"]}"}}')
         assert_matches_oracle(out, split_at(placed.token_ids, placed.boundaries, **LIMITS), oracle)
         assert moved["lookups"] == 3 and moved[counted] == 3, moved
 
