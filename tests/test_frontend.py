@@ -7,7 +7,7 @@ from vllm import SamplingParams
 from graphchunk.config import GraphChunkConfig
 from graphchunk.engine.frontend import (BOUNDARIES_ARG, MODE_ARG, RATIO_ARG, RECOMPUTE_ARG, SALT_ARG, TEMPERATURE_ARG,
                                         TOKENS_ARG, RequestAnnotator, chunk_request, is_graphchunk_worker,
-                                        json_boolean_problem, layout_fingerprint, resolve_mode, temperature_refusal)
+                                        json_boolean_problem, beam_search_problem, layout_fingerprint, resolve_mode, temperature_refusal)
 from graphchunk.segments import SegmentationError
 
 
@@ -293,8 +293,8 @@ def test_server_hook_rejects_json_booleans_for_graphchunk_engines_only(worker_cl
 
     from graphchunk.engine import plugin
 
-    plugin._guard_json_booleans()
-    plugin._guard_json_booleans()  # idempotent: wrapped once
+    plugin._guard_request_bodies()
+    plugin._guard_request_bodies()  # idempotent: wrapped once
     method = GenerateBaseServing._with_kv_transfer_rejection_cleanup
     assert method._graphchunk and not getattr(method, "__wrapped__", None)
 
@@ -325,6 +325,34 @@ def test_server_hook_rejects_json_booleans_for_graphchunk_engines_only(worker_cl
         assert ran and result == "created"
     ran.clear()
     assert call('{"prompt": [1, 2], "vllm_xargs": {"graphchunk_boundaries": [1, 5]}}') == "created" and ran
+    ran.clear()
+    result = call('{"prompt": [1, 2], "use_beam_search": true, "vllm_xargs": {"graphchunk_boundaries": [1]}}')
+    if rejected:
+        assert not ran and result.error.code == 400 and result.error.param == "use_beam_search"
+    else:
+        assert ran and result == "created"
+
+
+@pytest.mark.parametrize("body, refused", [
+    ({"messages": [], "documents": [{"text": "a"}], "use_beam_search": True}, True),
+    ({"messages": [], "chat_template_kwargs": {"documents": [{"text": "a"}]}, "use_beam_search": "yes"}, True),
+    ({"messages": [], "chat_template_kwargs": {"graphchunk_document_parts": True}, "use_beam_search": 1}, True),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a", "graphchunk_document": True},
+                                                {"type": "text", "text": "q"}]}], "use_beam_search": True}, True),
+    ({"prompt": [1, 2], "vllm_xargs": {MODE_ARG: "blend"}, "use_beam_search": True}, True),
+    ({"prompt": [1, 2], "vllm_xargs": {BOUNDARIES_ARG: [1]}, "use_beam_search": "false"}, False),
+    ({"prompt": "sys ## doc ## question", "use_beam_search": True}, False),  # the separators are in the tokens
+    ({"messages": [], "documents": [], "chat_template_kwargs": {"graphchunk_document_parts": False},
+      "use_beam_search": True}, False),
+    ({"prompt": [1, 2], "vllm_xargs": {"other_plugin_flag": 1}, "use_beam_search": True}, False),
+])
+def test_beam_search_is_refused_where_it_would_drop_the_chunks(body, refused):
+    """vLLM's beam search runs each step as token ids alone: documents and graphchunk_* vllm_xargs
+    would be lost, so those requests are refused by name; a separator prompt keeps its chunks."""
+    problem = beam_search_problem(body)
+    assert (problem is not None) == refused
+    if refused:
+        assert problem.startswith("use_beam_search cannot carry graphchunk's chunks")
 
 
 def test_generate_keywords_and_precedence(tokenizer):

@@ -216,6 +216,8 @@ BAD = {
                       "JSON booleans are not accepted"),
     "recompute-in-isolated-mode": (dict(prompt=rag_text(DOCS[:1]), vllm_xargs={"graphchunk_recompute_tokens": 4}),
                                    "only apply to blend mode"),
+    "beam-search-boundaries": (dict(prompt=_ids(8), use_beam_search=True, vllm_xargs={"graphchunk_boundaries": [2, 4]}),
+                               "use_beam_search cannot carry graphchunk's chunks"),
 }
 
 
@@ -462,6 +464,7 @@ BAD_DOCUMENTS = {
         "either in the documents field or as content parts, not both"),
     "parts-not-a-list": ({"chat_template_kwargs": {"graphchunk_document_parts": True}},
                          "needs the last user message's content as a list of parts"),
+    "beam-search": ({"documents": [{"text": "a"}], "use_beam_search": True}, "use_beam_search cannot carry"),
 }
 
 

@@ -283,6 +283,42 @@ _EXPECTED = {
 }
 
 
+def request_body_problem(body) -> tuple[str, str] | None:
+    """(the error, the parameter it names) for a raw OpenAI request body that a graphchunk engine
+    refuses before vLLM runs it, or None: JSON booleans among graphchunk's ``vllm_xargs``, beam
+    search on a request whose chunks it would lose."""
+    problem = json_boolean_problem(body)
+    if problem is not None:
+        return problem, "vllm_xargs"
+    problem = beam_search_problem(body)
+    return None if problem is None else (problem, "use_beam_search")
+
+
+def beam_search_problem(body) -> str | None:
+    """The error for beam search on a request graphchunk chunks by its documents or its
+    ``vllm_xargs``, or None. vLLM's beam search runs every step as a new request of token ids
+    alone (``BeamSearchSequence.get_prompt``, ``BeamSearchParams`` without ``vllm_xargs``): the
+    request's documents, ``graphchunk_boundaries`` and mode would be dropped and it would run as
+    another prompt. Separators in the prompt's text survive (they are in the tokens)."""
+    from graphchunk.documents import DOCUMENT_PARTS, marks_document_parts
+
+    if not isinstance(body, dict) or not _json_true(body.get("use_beam_search", False)):
+        return None
+    kwargs, xargs, messages = (body.get(key) for key in ("chat_template_kwargs", "vllm_xargs", "messages"))
+    kwargs, xargs = (value if isinstance(value, dict) else {} for value in (kwargs, xargs))
+    documents = (body.get("documents") or kwargs.get("documents") or kwargs.get(DOCUMENT_PARTS, False) is not False
+                 or (isinstance(messages, list) and marks_document_parts(messages)))
+    if not documents and not any(key in xargs for key in GRAPHCHUNK_ARGS):
+        return None
+    return ("use_beam_search cannot carry graphchunk's chunks: each beam step is a new request of token ids "
+            "alone, without the request's documents and graphchunk_* arguments; send it without beam search")
+
+
+def _json_true(value) -> bool:
+    """As pydantic reads a JSON value as a bool (lax: 1, "true", "yes", ...)."""
+    return value.strip().lower() in ("1", "true", "t", "yes", "y", "on") if isinstance(value, str) else bool(value)
+
+
 def json_boolean_problem(body) -> str | None:
     """The error for a JSON true/false among a request body's graphchunk ``vllm_xargs``, or None.
 

@@ -38,7 +38,7 @@ def register() -> None:
     process_inputs._graphchunk = True
     InputProcessor.process_inputs = process_inputs
     document_hooks.install(RequestError)
-    _guard_json_booleans()
+    _guard_request_bodies()
     _select_v1_model_runner()
     _check_config_before_start()
 
@@ -107,8 +107,10 @@ def _select_v1_model_runner() -> None:
     VllmConfig._get_v2_model_runner_unsupported_features = unsupported_features
 
 
-def _guard_json_booleans() -> None:
-    """Rejects JSON booleans among graphchunk's ``vllm_xargs`` (a 400 naming the argument).
+def _guard_request_bodies() -> None:
+    """Rejects, for graphchunk engines, JSON booleans among graphchunk's ``vllm_xargs`` and beam
+    search on a request whose chunks it would lose (a 400 naming the argument;
+    ``frontend.request_body_problem``).
 
     vLLM's OpenAI request models type ``vllm_xargs`` as ``dict[str, str | int | float |
     list[str | int | float]]``, and pydantic's lax union validation turns true/false into 1/0
@@ -118,7 +120,7 @@ def _guard_json_booleans() -> None:
     validator when the routes were built), but the raw JSON stays cached on the HTTP request
     (Starlette's ``Request.json()``, which FastAPI used), and completions, chat completions and
     responses all pass it to ``_with_kv_transfer_rejection_cleanup`` before anything reaches the
-    engine. The wrapper checks it there, for graphchunk engines only, and turns a boolean into
+    engine. The wrapper checks it there, for graphchunk engines only, and turns a problem into
     the same ErrorResponse (400) as vLLM's own request checks, keeping the method's
     KV-connector cleanup for rejected requests."""
     try:
@@ -130,19 +132,19 @@ def _guard_json_booleans() -> None:
         return
 
     async def _with_kv_transfer_rejection_cleanup(self, awaitable, request, raw_request, *args, **kwargs):
-        problem = await _json_boolean_problem(self, raw_request)
+        problem = await _request_body_problem(self, raw_request)
         if problem is not None:
             close = getattr(awaitable, "close", None)
             if close is not None:
                 close()  # the create_* coroutine never runs: the request does not reach the engine
-            awaitable = _returns(self.create_error_response(problem, param="vllm_xargs"))
+            awaitable = _returns(self.create_error_response(problem[0], param=problem[1]))
         return await original(self, awaitable, request, raw_request, *args, **kwargs)
 
     _with_kv_transfer_rejection_cleanup._graphchunk = True
     GenerateBaseServing._with_kv_transfer_rejection_cleanup = _with_kv_transfer_rejection_cleanup
 
 
-async def _json_boolean_problem(serving, raw_request) -> str | None:
+async def _request_body_problem(serving, raw_request) -> tuple[str, str] | None:
     if raw_request is None:
         return None
     serves_graphchunk = getattr(serving, "_graphchunk_engine", None)
@@ -159,9 +161,9 @@ async def _json_boolean_problem(serving, raw_request) -> str | None:
         body = await raw_request.json()  # cached: FastAPI parsed the body with it
     except Exception:  # not JSON: FastAPI has already answered such requests
         return None
-    from graphchunk.engine.frontend import json_boolean_problem
+    from graphchunk.engine.frontend import request_body_problem
 
-    return json_boolean_problem(body)
+    return request_body_problem(body)
 
 
 async def _returns(value):
