@@ -50,7 +50,8 @@ def install(request_error: type) -> None:
     async def render_with_documents_async(self, messages, params):
         if _documents_settings(self, messages, params) is None:
             return await render_messages_async(self, messages, params)
-        return await asyncio.to_thread(render_with_documents, self, messages, params)
+        # off the event loop, under vLLM's template-render timeout (VLLM_CHAT_TEMPLATE_RENDER_TIMEOUT)
+        return await self._render_with_timeout(asyncio.to_thread(render_with_documents, self, messages, params))
 
     render_messages_async = HfRenderer.render_messages_async
     for name, fn in (("render_messages", render_with_documents),
@@ -111,7 +112,8 @@ def _render(renderer, render_messages, messages, params, settings):
             kwargs["documents"] = docs
         conversation, prompt = render_messages(renderer, msgs, dataclasses.replace(params, chat_template_kwargs=kwargs))
         if prompt.get("multi_modal_data") or not isinstance(prompt.get("prompt"), str):
-            raise ValueError("documents requests cannot carry images or other non-text inputs")
+            raise ValueError("documents requests need the chat template's text: no images or other non-text "
+                             "inputs, and no prompt embeddings (--enable-prompt-embeds)")
         conversations.append((prompt["prompt"], conversation))
         return prompt["prompt"]
 
