@@ -112,10 +112,12 @@ XML = """{{ messages[0]['content'] }}
 ], ids=["graphchunk-title", "graphchunk-other-fields", "conditional-field", "shared-first-character"])
 def test_a_documents_header_is_its_own_even_when_first(tokenizer, template, documents, first):
     """The first document's header (its own fields' labels too) is in its chunk, never in sys, and
-    a chunk ends at its trailer's line end: the same chunks in either order."""
+    a chunk ends at its trailer's line end: the same chunks in either order and alone."""
     placed, swapped = place(tokenizer, documents, template), place(tokenizer, documents[::-1], template)
     assert tokenizer.decode(chunks(placed)[0]) == first
     assert chunks(swapped) == chunks(placed)[::-1]
+    # alone (as graphchunk-precompute --format documents computes it), the same chunk again
+    assert [chunks(place(tokenizer, [doc], template))[0] for doc in documents] == chunks(placed)
     sys_text = tokenizer.decode(placed.token_ids[:placed.boundaries[0]])
     assert sys_text.endswith("\n") and "France" not in sys_text
 
