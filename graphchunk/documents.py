@@ -25,7 +25,10 @@ the same tokens wherever it appears, unless the template writes something that d
 place (a number: "Document 2:"): then the first document's chunk starts where its header and the
 probe's agree, and a reordered document is a miss.
 
-Each segment's text is tokenized alone (``add_special_tokens=False``: the template writes its
+The prompt is the template's own rendering of the documents and the question: everything up to
+the question, marker render with the values put back, must be exactly what it renders (the
+documents' text is never changed), and the question is whatever the template makes of it (a
+``trim`` included). Each segment's text is tokenized alone (``add_special_tokens=False``: the template writes its
 own special tokens) and the pieces are joined, so no token straddles a boundary and a chunk's
 tokens never depend on its neighbours. The joined tokens must spell the rendered text exactly: a
 tokenizer that prefixes a text tokenized alone (SentencePiece's dummy prefix, Llama 2 and
@@ -216,12 +219,12 @@ def _locate(compose, documents: list[dict[str, str]], question, marks: "_Markers
     if question_at is not None and question_at < cuts[-1]:
         raise Unchunkable("the chat template places the documents after the question (the last user "
                             "message); graphchunk needs them before it")
-    pieces = [marks.substitute(rendered[a:b], documents, question)
-              for a, b in zip([0, *cuts], [*cuts, len(rendered)])]
-    if "".join(pieces) != compose(documents, question):
-        raise Unchunkable("the chat template changes the documents' or the question's text as it renders "
-                          "them (a filter such as trim, or a slice), so graphchunk cannot locate them")
-    return _tokenized(tokenizer, pieces, max_chunk_len)
+    pieces = [marks.substitute(rendered[a:b], documents, question) for a, b in zip([0, *cuts], cuts)]
+    prompt, head = compose(documents, question), "".join(pieces)
+    if not prompt.startswith(head):
+        raise Unchunkable("the chat template changes the documents' text as it renders them (a filter "
+                          "or a slice), so graphchunk cannot locate them")
+    return _tokenized(tokenizer, [*pieces, prompt[len(head):]], max_chunk_len)  # the question as rendered
 
 
 def _uses_documents(render: Render, messages: list, rendered: str) -> bool:

@@ -161,7 +161,7 @@ def test_bad_documents_are_refused_naming_the_document(tokenizer, documents, lim
 
 @pytest.mark.parametrize("template, messages, message", [
     (AFTER_QUESTION, MESSAGES, "places the documents after the question"),
-    (REWRITES, MESSAGES, "changes the documents' or the question's text"),
+    (REWRITES, MESSAGES, "changes the documents' text"),
     (UPPER, MESSAGES, "document 1 could not be located"),
     (FIRST_ONLY, MESSAGES, "document 2 could not be located"),
     (None, MESSAGES[:1], "need a user message"),
@@ -342,15 +342,26 @@ def test_documents_fallback_runs_unchunkable_documents_as_the_prompt_they_would_
         _hook_render(tokenizer, None, docs, max_chunks=2)
     with pytest.raises(DocumentError, match="document 2 repeats document 1"):
         _hook_render(tokenizer, AFTER_QUESTION, [docs[0], docs[0]], documents_fallback="ordinary")
-    # Llama 3's shape trims a message: a question ending in a newline cannot be located, and the
-    # ordinary prompt keeps the documents graphchunk placed (the template would drop them).
-    trims = MESSAGES[:1] + [{"role": "user", "content": MESSAGES[1]["content"] + "\n"}]
-    with pytest.raises(Unchunkable, match="a filter such as trim"):
-        _hook_render(tokenizer, TRIMS, docs, messages=trims)
-    _, prompt = _hook_render(tokenizer, TRIMS, docs, messages=trims, documents_fallback="ordinary")
-    user = "".join(d["text"] + "\n\n" for d in docs) + trims[1]["content"]
+    # Llama 3's shape trims a message: a first document starting with a space cannot be located,
+    # and the ordinary prompt keeps the documents graphchunk placed (the template would drop them).
+    spaced = [{"text": " " + docs[0]["text"]}, *docs[1:]]
+    with pytest.raises(Unchunkable, match="changes the documents' text"):
+        _hook_render(tokenizer, TRIMS, spaced)
+    _, prompt = _hook_render(tokenizer, TRIMS, spaced, documents_fallback="ordinary")
+    user = "".join(d["text"] + "\n\n" for d in spaced) + MESSAGES[1]["content"]
     assert prompt == {"prompt": hf_render(tokenizer, chat_template=TRIMS)([MESSAGES[0], {"role": "user", "content": user}],
                                                                           None), DOCUMENTS_KEY: UNCHUNKED}
+
+
+def test_a_template_may_change_the_question(tokenizer):
+    """Llama 3's shape trims the user message: a question ending in a newline is the question as
+    the template renders it (trimmed), the documents' chunks as ever."""
+    docs = [{"text": d["text"]} for d in DOCS]
+    trims = MESSAGES[:1] + [{"role": "user", "content": MESSAGES[1]["content"] + "\n"}]
+    placed = place(tokenizer, docs, TRIMS, trims)
+    user = "".join(d["text"] + "\n\n" for d in docs) + MESSAGES[1]["content"]
+    assert placed.text == hf_render(tokenizer, chat_template=TRIMS)([MESSAGES[0], {"role": "user", "content": user}], None)
+    assert chunks(placed) == chunks(place(tokenizer, docs, TRIMS))
 
 
 def test_only_true_marks_make_a_documents_request():
