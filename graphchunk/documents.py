@@ -13,8 +13,8 @@ Where the documents go:
   the last user message, each in ``document_text`` form followed by a blank line ("\\n\\n"),
   the message's own text after them.
 
-Locating them: the template is rendered with every document field replaced by a unique marker
-(and the last user message's text by another). A document spans its markers. The template text
+Locating them: the template is rendered with every document field between two unique markers
+(and the last user message's text replaced by another). A document spans its markers. The template text
 that follows every document alike (the longest common prefix of the texts after each document,
 up to its last line end: the *trailer*, e.g. "\\n\\n" or "<|end_of_text|>\\n") ends the
 document's chunk; everything between one document's trailer and the next document (its
@@ -26,9 +26,11 @@ place (a number: "Document 2:"): then the first document's chunk starts where it
 probe's agree, and a reordered document is a miss.
 
 The prompt is the template's own rendering of the documents and the question: everything up to
-the question, marker render with the values put back, must be exactly what it renders (the
-documents' text is never changed), and the question is whatever the template makes of it (a
-``trim`` included). Each segment's text is tokenized alone (``add_special_tokens=False``: the template writes its
+the question, the marker render without its markers, must be exactly what it renders, and the
+question is whatever the template makes of it (a ``trim`` included). A field is what the template
+writes of it: escaped by ``tojson`` (Granite 4) or ``e``, the same text wherever the document
+goes; a filter that reads the whole value (``trim``, ``truncate``, ``upper``) fails that check or
+loses a marker, and the request is ``Unchunkable``. Each segment's text is tokenized alone (``add_special_tokens=False``: the template writes its
 own special tokens) and the pieces are joined, so no token straddles a boundary and a chunk's
 tokens never depend on its neighbours. The joined tokens must spell the rendered text exactly: a
 tokenizer that prefixes a text tokenized alone (SentencePiece's dummy prefix, Llama 2 and
@@ -219,11 +221,12 @@ def _locate(compose, documents: list[dict[str, str]], question, marks: "_Markers
     if question_at is not None and question_at < cuts[-1]:
         raise Unchunkable("the chat template places the documents after the question (the last user "
                             "message); graphchunk needs them before it")
-    pieces = [marks.substitute(rendered[a:b], documents, question) for a, b in zip([0, *cuts], cuts)]
+    pieces = [marks.unmarked(rendered[a:b]) for a, b in zip([0, *cuts], cuts)]
     prompt, head = compose(documents, question), "".join(pieces)
     if not prompt.startswith(head):
-        raise Unchunkable("the chat template changes the documents' text as it renders them (a filter "
-                          "or a slice), so graphchunk cannot locate them")
+        raise Unchunkable("the chat template changes the documents' text as it renders them (a filter such "
+                          "as trim, also where it trims the message graphchunk leads with the documents: "
+                          "whitespace at a document's ends; or a slice), so graphchunk cannot locate them")
     return _tokenized(tokenizer, [*pieces, prompt[len(head):]], max_chunk_len)  # the question as rendered
 
 
@@ -296,8 +299,8 @@ def _place(messages: list, last_user: int, documents: list[dict[str, str]], cont
 
 
 class _Markers:
-    """Unique ASCII markers for every document field and the question's text parts (ASCII so
-    that filters such as ``tojson`` keep them)."""
+    """Unique ASCII markers around every document field and for the question's text parts (ASCII
+    letters and digits, so that escaping filters such as ``tojson`` keep them)."""
 
     def __init__(self):
         self.nonce = os.urandom(6).hex()
@@ -309,7 +312,9 @@ class _Markers:
         return mark
 
     def document(self, i: int, doc: dict[str, str]) -> dict[str, str]:
-        return {key: self._mark(("d", i, j)) for j, key in enumerate(doc)}
+        """The document with each value between two markers of its own."""
+        return {key: self._mark(("d", i, j, "a")) + value + self._mark(("d", i, j, "b"))
+                for j, (key, value) in enumerate(doc.items())}
 
     def question(self, content):
         if isinstance(content, str):
@@ -343,14 +348,11 @@ class _Markers:
         found = [text.find(m) for m, what in self.values.items() if what[0] == "q" and m in text]
         return min(found) if found else None
 
-    def substitute(self, text: str, documents: list[dict[str, str]], question) -> str:
+    def unmarked(self, text: str) -> str:
+        """``text`` without the documents' markers."""
         for mark, what in self.values.items():
-            if mark in text:
-                if what[0] == "d":
-                    value = list(documents[what[1]].values())[what[2]]
-                else:
-                    value = question if isinstance(question, str) else question[what[1]]["text"]
-                text = text.replace(mark, value)
+            if what[0] == "d":
+                text = text.replace(mark, "")
         return text
 
 

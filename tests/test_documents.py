@@ -34,9 +34,13 @@ AFTER_QUESTION = """{% for m in messages %}{{ m['content'] }}
 UPPER = """{% for d in documents %}{{ d['text'] | upper }}
 {% endfor %}{% for m in messages %}{{ m['content'] }}
 {% endfor %}"""
-REWRITES = """{% for d in documents %}{{ d['text'] | replace('.', '!') }}
+TRIMS_DOCUMENTS = """{% for d in documents %}{{ d['text'] | trim }}
 {% endfor %}{% for m in messages %}{{ m['content'] }}
 {% endfor %}"""
+JSON = """{{ messages[0]['content'] }}
+{% for d in documents %}{{ d | tojson }}
+{% endfor %}{{ messages[-1]['content'] }}"""
+"""Granite 4's shape: each document as JSON (its newlines and quotes escaped)."""
 FIRST_ONLY = """{{ documents[0]['text'] }}
 {% for m in messages %}{{ m['content'] }}
 {% endfor %}"""
@@ -161,7 +165,6 @@ def test_bad_documents_are_refused_naming_the_document(tokenizer, documents, lim
 
 @pytest.mark.parametrize("template, messages, message", [
     (AFTER_QUESTION, MESSAGES, "places the documents after the question"),
-    (REWRITES, MESSAGES, "changes the documents' text"),
     (UPPER, MESSAGES, "document 1 could not be located"),
     (FIRST_ONLY, MESSAGES, "document 2 could not be located"),
     (None, MESSAGES[:1], "need a user message"),
@@ -231,6 +234,20 @@ def test_a_tokenizer_that_rewrites_a_text_alone_is_refused():
     user = "".join(d["text"] + "\n\n" for d in docs) + MESSAGES[1]["content"]
     assert prompt == {"prompt": hf_render(strips)([MESSAGES[0], {"role": "user", "content": user}], None),
                       DOCUMENTS_KEY: UNCHUNKED}
+
+
+def test_a_field_is_what_the_template_writes_of_it(tokenizer):
+    """A filter that escapes (tojson) gives a document's escaped text, the same anywhere; one that
+    reads the whole value (trim on a text with spaces around it) cannot be located: refused."""
+    docs = [{"title": "France", "text": 'Paris is "the" capital.\n\n## Facts\n\nC:\\x'}, *DOCS[1:]]
+    placed = place(tokenizer, docs, JSON)
+    assert placed.text == hf_render(tokenizer, chat_template=JSON)(MESSAGES, docs)
+    assert tokenizer.decode(chunks(placed)[0]) == '{"title": "France", "text": "Paris is \\"the\\" capital.\\n\\n## Facts\\n\\nC:\\\\x"}\n'
+    assert chunks(place(tokenizer, docs[::-1], JSON)) == chunks(placed)[::-1]
+    assert chunks(place(tokenizer, docs[:1], JSON)) == chunks(placed)[:1]
+    assert place(tokenizer, [{"text": "Paris."}], TRIMS_DOCUMENTS).text.startswith("Paris.\n")
+    with pytest.raises(DocumentError, match="changes the documents' text"):
+        place(tokenizer, [{"text": " Paris. "}], TRIMS_DOCUMENTS)
 
 
 def parts_messages(texts, question="Which city is in Italy?", marked=True) -> list[dict]:
