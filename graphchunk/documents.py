@@ -312,8 +312,9 @@ class _Markers:
         return mark
 
     def document(self, i: int, doc: dict[str, str]) -> dict[str, str]:
-        """The document with each value between two markers of its own."""
-        return {key: self._mark(("d", i, j, "a")) + value + self._mark(("d", i, j, "b"))
+        """The document with each value between two markers of its own (an empty one stays empty,
+        so that a template's ``{% if d.title %}`` reads it as it will)."""
+        return {key: value and self._mark(("d", i, j, "a")) + value + self._mark(("d", i, j, "b"))
                 for j, (key, value) in enumerate(doc.items())}
 
     def question(self, content):

@@ -112,8 +112,10 @@ XML = """{{ messages[0]['content'] }}
     (None, [{"title": "France", "text": "Paris."}, {"text": "Rome."}], "title: France\nParis.\n\n"),
     (None, [{"title": "France", "text": "Paris."}, {"source": "atlas", "text": "Rome."}], "title: France\nParis.\n\n"),
     (COND, [{"title": "France", "text": "Paris."}, {"text": "Rome."}], "[doc] Title: France\nParis.\n"),
+    (COND, [{"title": "", "text": "Paris."}, {"title": "Italy", "text": "Rome."}], "[doc]Paris.\n"),
     (XML, [{"text": "Paris."}, {"text": "Rome."}], "<doc>Paris.</doc>\n"),
-], ids=["graphchunk-title", "graphchunk-other-fields", "conditional-field", "shared-first-character"])
+], ids=["graphchunk-title", "graphchunk-other-fields", "conditional-field", "conditional-empty-field",
+       "shared-first-character"])
 def test_a_documents_header_is_its_own_even_when_first(tokenizer, template, documents, first):
     """The first document's header (its own fields' labels too) is in its chunk, never in sys, and
     a chunk ends at its trailer's line end: the same chunks in either order and alone."""
