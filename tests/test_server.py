@@ -38,7 +38,8 @@ DOCS = [words("assert", 60), words("break", 40), words("pass", 50)]
 def server(smollm2_path, tmp_path_factory):
     store = tmp_path_factory.mktemp("server-tier")  # with a persistent tier: every entry written through
     srv = VllmServer(smollm2_path, dtype="float32", graphchunk={**GC, "store_path": str(store)},
-                     flags=[*SERVER_FLAGS, "--max-model-len", str(MAX_MODEL_LEN), "--block-size", "32"],
+                     flags=[*SERVER_FLAGS, "--max-model-len", str(MAX_MODEL_LEN), "--block-size", "32",
+                            "--enable-scale-out"],  # vLLM's /render and /inference/v1/generate
                      env={"VLLM_ENABLE_COHERE_API": "1"})  # vLLM's /cohere/v2/chat, for the cohere SDK
     srv.start()
     try:
@@ -443,6 +444,31 @@ def test_documents_through_langchain(server, oracle, tokenizer):
         before = server.metrics() if _published(server) else {}
         reply = chat.invoke([SystemMessage(DOC_SYS), HumanMessage(question)], extra_body={"documents": documents})
         assert reply.content == tokenizer.decode(expected, skip_special_tokens=True), order
+        assert moved(server, before, "lookups", counted) == (3, 3), order
+
+
+def test_the_render_endpoint_carries_the_documents_chunks(server, oracle, tokenizer):
+    """vLLM's scale-out pair: /v1/chat/completions/render of a documents request answers with its
+    tokens and, in its sampling params, the documents' boundaries; /inference/v1/generate of that
+    answer is chunked as the chat request would be: the oracle's tokens, all hits reordered."""
+    docs = [{"title": topic, "text": words(topic, 30)} for topic in ("function", "del", "nonlocal")]
+    messages = document_messages(DOC_SYS, "Which statement deletes a name?")
+    for order, counted in (([0, 1, 2], "misses"), ([2, 1, 0], "hits")):
+        documents = [docs[i] for i in order]
+        placed = place_documents(hf_render(tokenizer), messages, documents, tokenizer, **SERVER_LIMITS)
+        status, rendered = server.post("/v1/chat/completions/render", {
+            "model": server.model, "messages": messages, "documents": documents, "temperature": 0,
+            "max_tokens": MAX_TOKENS})
+        assert status == 200, f"{status} {rendered}"
+        assert rendered["token_ids"] == placed.token_ids
+        assert rendered["sampling_params"]["extra_args"]["graphchunk_boundaries"] == placed.boundaries
+        before = server.metrics() if _published(server) else {}
+        # vLLM drops max_tokens equal to SamplingParams' default (16) from the rendered params, and
+        # generate then fills the context: send it explicitly.
+        rendered["sampling_params"]["max_tokens"] = MAX_TOKENS
+        status, body = server.post("/inference/v1/generate", rendered)
+        assert status == 200, f"{status} {body}\n{server.log_tail()}"
+        assert body["choices"][0]["token_ids"] == oracle_reference(oracle, placed)[1], order
         assert moved(server, before, "lookups", counted) == (3, 3), order
 
 

@@ -16,18 +16,23 @@ chats without a template graphchunk can probe: their documents requests are refu
 as prompts graphchunk cannot chunk (nor separator-split). With ``documents_fallback='ordinary'``
 a documents request graphchunk cannot chunk (``documents.Unchunkable``, or another renderer's)
 runs as an ordinary prompt instead, marked ``UNCHUNKED`` so that ``annotate`` runs no separator
-detection on it and the worker counts it.
+detection on it and the worker counts it. vLLM's scale-out render endpoint hands the boundaries on
+in its answer's sampling params, for ``/inference/v1/generate``.
 """
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 
-from graphchunk.engine.frontend import DOCUMENTS_KEY, DocumentBoundaries
+from graphchunk.engine.frontend import BOUNDARIES_ARG, DOCUMENTS_KEY, DocumentBoundaries
 
 _SETTINGS = "_graphchunk_document_settings"
 UNCHUNKED = DocumentBoundaries((), 0)
 """A documents request run as an ordinary prompt (``documents_fallback='ordinary'``)."""
+_RENDERED: contextvars.ContextVar[DocumentBoundaries | None] = contextvars.ContextVar(
+    "graphchunk_rendered_documents", default=None)
+"""The boundaries of the documents request this task's ``render_chat_async`` rendered last."""
 
 
 def install(request_error: type) -> None:
@@ -60,6 +65,7 @@ def install(request_error: type) -> None:
         setattr(HfRenderer, name, fn)
     _carry_through(BaseRenderer)
     _refuse_other_renderers(BaseRenderer, HfRenderer, request_error)
+    _carry_into_render_endpoint()
 
 
 def _refuse_other_renderers(base, hf_renderer, request_error) -> None:
@@ -82,6 +88,8 @@ def _refuse_other_renderers(base, hf_renderer, request_error) -> None:
         for engine_input, ordinary in zip(rendered[1], which):
             if ordinary:
                 engine_input[DOCUMENTS_KEY] = UNCHUNKED
+        carried = [engine_input.get(DOCUMENTS_KEY) for engine_input in rendered[1] if isinstance(engine_input, dict)]
+        _RENDERED.set(carried[0] if len(carried) == 1 else None)
         return rendered
 
     render_chat, render_chat_async = base.render_chat, base.render_chat_async
@@ -142,6 +150,29 @@ def _render(renderer, render_messages, messages, params, settings):
         text = render(messages, None) if in_parts else unchunked_text(render, messages, documents)
         prompt = {"prompt": text, DOCUMENTS_KEY: UNCHUNKED}
     return next(conv for text, conv in conversations if text == prompt["prompt"]), prompt
+
+
+def _carry_into_render_endpoint() -> None:
+    """vLLM's scale-out render endpoint (``/v1/chat/completions/render``, ``--enable-scale-out``)
+    answers with the prompt's token ids and sampling params for ``/inference/v1/generate``: a
+    documents request's boundaries go into those params as ``graphchunk_boundaries`` (an
+    unchunked one's: ``[0]``, an ordinary prompt without separator detection), so the generate
+    request is chunked exactly as the chat request would be."""
+    try:
+        from vllm.entrypoints.scale_out.render.serving import ServingRender
+    except ImportError:  # no scale-out endpoints in this vLLM
+        return
+    render_chat_request = ServingRender.render_chat_request
+
+    async def with_boundaries(self, request, raw_request=None):
+        _RENDERED.set(None)
+        result = await render_chat_request(self, request, raw_request)
+        carried, params = _RENDERED.get(), getattr(result, "sampling_params", None)
+        if carried is not None and params is not None:
+            params.extra_args = {**(params.extra_args or {}), BOUNDARIES_ARG: list(carried.boundaries) or [0]}
+        return result
+
+    ServingRender.render_chat_request = with_boundaries
 
 
 def _carry_through(base) -> None:
