@@ -14,8 +14,8 @@ Where the documents go:
   the message's own text after them.
 
 Locating them: the template is rendered with every document field between two unique markers
-(and the last user message's text replaced by another). A document spans its markers. The template text
-that follows every document alike (the longest common prefix of the texts after each document,
+(and the last user message's text replaced by another). A document spans its markers. The
+template text that follows every document alike (the longest common prefix of the texts after each document,
 up to its last line end: the *trailer*, e.g. "\\n\\n" or "<|end_of_text|>\\n") ends the
 document's chunk; everything between one document's trailer and the next document (its
 *header*: "<|start_of_role|>document ", a "title: " of graphchunk's form) starts the next chunk.
@@ -30,7 +30,9 @@ the question, the marker render without its markers, must be exactly what it ren
 question is whatever the template makes of it (a ``trim`` included). A field is what the template
 writes of it: escaped by ``tojson`` (Granite 4) or ``e``, the same text wherever the document
 goes; a filter that reads the whole value (``trim``, ``truncate``, ``upper``) fails that check or
-loses a marker, and the request is ``Unchunkable``. Each segment's text is tokenized alone (``add_special_tokens=False``: the template writes its
+loses a marker, and the request is ``Unchunkable``.
+
+Each segment's text is tokenized alone (``add_special_tokens=False``: the template writes its
 own special tokens) and the pieces are joined, so no token straddles a boundary and a chunk's
 tokens never depend on its neighbours. The joined tokens must spell the rendered text exactly: a
 tokenizer that prefixes a text tokenized alone (SentencePiece's dummy prefix, Llama 2 and
@@ -168,6 +170,13 @@ def place_document_parts(render: Render, messages: list, tokenizer, *, every_par
         return render(_with_content(messages, last_user, doc_parts + question_parts), None)
 
     return _locate(in_parts, documents, question, _Markers(), tokenizer, max_chunk_len)
+
+
+def asks_for_documents(chat_template_kwargs: dict, messages) -> bool:
+    """Whether a chat request sends documents: a non-empty ``documents`` (vLLM merges the top-level
+    field into ``chat_template_kwargs``), ``DOCUMENT_PARTS`` other than false, or a part marked."""
+    return (bool(chat_template_kwargs.get("documents")) or chat_template_kwargs.get(DOCUMENT_PARTS, False) is not False
+            or (isinstance(messages, list) and marks_document_parts(messages)))
 
 
 def marks_document_parts(messages: list) -> bool:

@@ -57,6 +57,14 @@ def place(tokenizer, documents, template=None, messages=MESSAGES, **limits):
     return place_documents(render, messages, documents, tokenizer, **{**LIMITS, **limits})
 
 
+def documents_leading(tokenizer, documents, template=None) -> str:
+    """The prompt of the documented placement, written out: each document's text and a blank line,
+    leading the user's question (``MESSAGES``), rendered by the template."""
+    user = "".join(d["text"] + "\n\n" for d in documents) + MESSAGES[1]["content"]
+    render = hf_render(tokenizer, **({"chat_template": template} if template else {}))
+    return render([MESSAGES[0], {"role": "user", "content": user}], None)
+
+
 def chunks(placed) -> list[tuple[int, ...]]:
     edges = [*placed.boundaries, len(placed.token_ids)]
     return [tuple(placed.token_ids[a:b]) for a, b in zip(edges, edges[1:-1])]
@@ -79,10 +87,7 @@ def test_graphchunk_places_documents_the_documented_way(tokenizer):
     """Templates that ignore documents: they lead the last user message, each in document_text form
     and followed by a blank line; the same as a RagPrompt(chat=True) of the texts."""
     placed = place(tokenizer, [{"text": d["text"]} for d in DOCS])
-    user = "".join(d["text"] + "\n\n" for d in DOCS) + MESSAGES[1]["content"]
-    plain = tokenizer.apply_chat_template([MESSAGES[0], {"role": "user", "content": user}], tokenize=False,
-                                          add_generation_prompt=True)
-    assert placed.text == plain
+    assert placed.text == documents_leading(tokenizer, DOCS)
     prompt = RagPrompt(MESSAGES[0]["content"], [d["text"] for d in DOCS], MESSAGES[1]["content"], chat=True)
     assert encode_prompt(tokenizer, prompt) == (placed.token_ids, placed.boundaries)
     titled = place(tokenizer, [{"title": "Capitals", "text": "Paris."}])
@@ -233,9 +238,7 @@ def test_a_tokenizer_that_rewrites_a_text_alone_is_refused():
     from graphchunk.engine.frontend import DOCUMENTS_KEY
 
     _, prompt = _hook_render(strips, None, docs, documents_fallback="ordinary")
-    user = "".join(d["text"] + "\n\n" for d in docs) + MESSAGES[1]["content"]
-    assert prompt == {"prompt": hf_render(strips)([MESSAGES[0], {"role": "user", "content": user}], None),
-                      DOCUMENTS_KEY: UNCHUNKED}
+    assert prompt == {"prompt": documents_leading(strips, docs), DOCUMENTS_KEY: UNCHUNKED}
 
 
 def test_a_field_is_what_the_template_writes_of_it(tokenizer):
@@ -367,9 +370,7 @@ def test_documents_fallback_runs_unchunkable_documents_as_the_prompt_they_would_
     with pytest.raises(Unchunkable, match="changes the documents' text"):
         _hook_render(tokenizer, TRIMS, spaced)
     _, prompt = _hook_render(tokenizer, TRIMS, spaced, documents_fallback="ordinary")
-    user = "".join(d["text"] + "\n\n" for d in spaced) + MESSAGES[1]["content"]
-    assert prompt == {"prompt": hf_render(tokenizer, chat_template=TRIMS)([MESSAGES[0], {"role": "user", "content": user}],
-                                                                          None), DOCUMENTS_KEY: UNCHUNKED}
+    assert prompt == {"prompt": documents_leading(tokenizer, spaced, TRIMS), DOCUMENTS_KEY: UNCHUNKED}
 
 
 def test_a_template_may_change_the_question(tokenizer):
@@ -378,8 +379,7 @@ def test_a_template_may_change_the_question(tokenizer):
     docs = [{"text": d["text"]} for d in DOCS]
     trims = MESSAGES[:1] + [{"role": "user", "content": MESSAGES[1]["content"] + "\n"}]
     placed = place(tokenizer, docs, TRIMS, trims)
-    user = "".join(d["text"] + "\n\n" for d in docs) + MESSAGES[1]["content"]
-    assert placed.text == hf_render(tokenizer, chat_template=TRIMS)([MESSAGES[0], {"role": "user", "content": user}], None)
+    assert placed.text == documents_leading(tokenizer, docs, TRIMS)
     assert chunks(placed) == chunks(place(tokenizer, docs, TRIMS))
 
 

@@ -32,7 +32,9 @@ UNCHUNKED = DocumentBoundaries((), 0)
 """A documents request run as an ordinary prompt (``documents_fallback='ordinary'``)."""
 _RENDERED: contextvars.ContextVar[DocumentBoundaries | None] = contextvars.ContextVar(
     "graphchunk_rendered_documents", default=None)
-"""The boundaries of the documents request this task's ``render_chat_async`` rendered last."""
+"""The boundaries of the documents request this task's ``render_chat_async`` rendered last (set by
+the one wrapper of ``render_chat`` that sees the engine inputs, ``_refuse_other_renderers``; read
+by ``_carry_into_render_endpoint``)."""
 
 
 def install(request_error: type) -> None:
@@ -70,7 +72,8 @@ def install(request_error: type) -> None:
 
 def _refuse_other_renderers(base, hf_renderer, request_error) -> None:
     """Documents requests to a graphchunk engine whose renderer is not vLLM's HF one: a clear
-    error, or (``documents_fallback='ordinary'``) ordinary prompts marked ``UNCHUNKED``."""
+    error, or (``documents_fallback='ordinary'``) ordinary prompts marked ``UNCHUNKED``. The same
+    wrapper records a single prompt's boundaries in ``_RENDERED`` for the render endpoint."""
     def unchunked(renderer, conversations, chat_params) -> list[bool]:
         """Which conversations are documents requests this renderer cannot chunk; raises unless
         the engine's ``documents_fallback`` runs them as ordinary prompts."""
@@ -199,12 +202,9 @@ def _carry_through(base) -> None:
 def _documents_settings(renderer, messages, params):
     """The engine's GraphChunkConfig for a documents request to a graphchunk engine, else None: one
     with ``documents``, or with documents as content parts (``DOCUMENT_PARTS`` or ``DOCUMENT_PART``)."""
-    from graphchunk.documents import DOCUMENT_PARTS, marks_document_parts
+    from graphchunk.documents import asks_for_documents
 
-    kwargs = params.chat_template_kwargs
-    if kwargs.get("documents") or kwargs.get(DOCUMENT_PARTS, False) is not False or marks_document_parts(messages):
-        return _settings(renderer)
-    return None
+    return _settings(renderer) if asks_for_documents(params.chat_template_kwargs, messages) else None
 
 
 def _settings(renderer):

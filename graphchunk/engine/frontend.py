@@ -23,6 +23,7 @@ import xxhash
 
 from graphchunk.blend.recompute import POLICIES, RecomputePolicy
 from graphchunk.config import MODES, GraphChunkConfig, valid_key_temperature
+from graphchunk.documents import asks_for_documents
 from graphchunk.segments import SegmentationError, SegmentedPrompt, SeparatorSplitter, split_at
 
 BOUNDARIES_ARG = "graphchunk_boundaries"
@@ -300,14 +301,12 @@ def beam_search_problem(body) -> str | None:
     alone (``BeamSearchSequence.get_prompt``, ``BeamSearchParams`` without ``vllm_xargs``): the
     request's documents, ``graphchunk_boundaries`` and mode would be dropped and it would run as
     another prompt. Separators in the prompt's text survive (they are in the tokens)."""
-    from graphchunk.documents import DOCUMENT_PARTS, marks_document_parts
-
     if not isinstance(body, dict) or not _json_true(body.get("use_beam_search", False)):
         return None
-    kwargs, xargs, messages = (body.get(key) for key in ("chat_template_kwargs", "vllm_xargs", "messages"))
-    kwargs, xargs = (value if isinstance(value, dict) else {} for value in (kwargs, xargs))
-    documents = (body.get("documents") or kwargs.get("documents") or kwargs.get(DOCUMENT_PARTS, False) is not False
-                 or (isinstance(messages, list) and marks_document_parts(messages)))
+    kwargs, xargs = (value if isinstance(value, dict) else {} for value in map(body.get, ("chat_template_kwargs",
+                                                                                          "vllm_xargs")))
+    documents = asks_for_documents({**kwargs, "documents": body.get("documents") or kwargs.get("documents")},
+                                   body.get("messages"))
     if not documents and not any(key in xargs for key in GRAPHCHUNK_ARGS):
         return None
     return ("use_beam_search cannot carry graphchunk's chunks: each beam step is a new request of token ids "
