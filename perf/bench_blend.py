@@ -1,15 +1,16 @@
 """Quality and speed of every graphchunk setting against vanilla full prefill, side by side, in one run.
 
-    python perf/bench_blend.py [--prompts 48 --docs 4 --doc-tokens 100 --continuation 16 --repeats 1
-                                --settings all --out perf/results/blend_quality.json
-                                --plot perf/results/blend_quality.png]     # ~45 min on 2 cores
+    python perf/bench_blend.py [--prompts 48 --docs 5-8 --doc-tokens 150 --families all --continuation 16
+                                --repeats 1 --settings all --out perf/results/blend_quality.json
+                                --plot perf/results/blend_quality.png]
     python perf/bench_blend.py --quick --enforce-eager --settings vanilla,isolated,isolated:0.8,none,question:0.3,cacheblend:1.0
                                                            # CI (tests/test_bench_blend.py), ~2 min
 
-Default sizes: 48 prompts x 4 documents of ~100 tokens (~480-token prompts): the help-topic corpus
-has ~33k distinct tokens (48 x 4 documents must be distinct), and the 15 default settings take
-~3-4 s per (prompt, setting) with vLLM's compilation on: ~45 min on 2 cores. LegoLink's default
-k (5, 15, 30) are the 5/15/30 % recompute budgets of CacheBlend and ``question`` on ~100-token documents.
+Default sizes: 48 prompts (12 of each task family) x 5-8 documents of ~150 tokens (~1.1k-token
+prompts); ``--doc-tokens 400`` is the long form. The first benchmark (4 documents of ~100 tokens, fact and
+two_hop only: ``--docs 4 --doc-tokens 100 --families fact,two_hop``) took ~3-4 s per (prompt, setting)
+with vLLM's compilation on, ~45 min on 2 cores; time grows with the prompt. LegoLink's k (5, 15, 30) are
+the 5/15/30 % recompute budgets of CacheBlend and ``question`` on ~100-token documents.
 
 Settings (``--settings``, comma list, default ``all`` = ``blend_task.DEFAULT_SETTINGS``; vanilla always
 runs, first). One GraphChunkLLM engine (bundled SmolLM2-135M-Instruct, fp32, vLLM's compilation on as
@@ -27,20 +28,14 @@ a user runs it unless --enforce-eager, vLLM prefix caching on), every setting on
 A setting the installed library cannot serve (a recompute policy or argument it does not know) is
 not run; its row says why and the run's checks fail.
 
-Tasks (``blend_task.py``). Documents are CPython help-topic text (``pydoc_data.topics``, '#'
-removed), ~--doc-tokens tokens each (0.75x..1.25x), whole sentences, every document of the run
-distinct. Every prompt has --docs documents; prompts alternate between two kinds:
+Tasks (``rag_tasks.py``, whose docstring is their spec): the families fact, paraphrase, two_hop and
+which_doc in turn (``--families``), --docs documents per prompt (N, or A-B drawn per prompt) of
+CPython help-topic text, ~--doc-tokens tokens each (0.75x..1.25x), whole sentences, facts planted at
+random sentence boundaries, up to --distractors distractor facts in other documents.
 
-* ``fact`` (even prompts): one document holds "The access code for the {color} {place} is {NNNN}."
-  (at a random sentence boundary); up to --distractors others hold the same fact for another color
-  and/or place with another code. Question: "What is the access code for the {color} {place}?"
-* ``two_hop`` (odd prompts): one document holds "The {color} {place} is in building {Name}.",
-  ANOTHER document "The access code for building {Name} is {NNNN}."; distractors (one per document)
-  alternate between another color/place in another building and that building's code (a whole
-  decoy chain). Question: "What is the access code for the building where the {color} {place} is?"
-
-Chat form (``RagPrompt(sys, docs, question, chat=True)``): system = sys, user = the documents and
-the question. The result's ``tasks`` records each prompt's kind, gold document(s), facts,
+Chat form (``RagPrompt(sys, docs, question, chat=True)``): a chat request's documents, placed as the
+OpenAI server places them (system = sys, the user message leads with the documents, then the
+question). The result's ``tasks`` records each prompt's family, gold document(s), facts,
 distractors and document orders.
 
 Per prompt, in this order (all requests greedy; the quality sys prompt is ``SYS_TEXT``). Cache
@@ -68,8 +63,8 @@ timed checks below.
   step 0 where none has, counted in ``answer_position_fallbacks``); ``kl_first_token`` = step 0;
   ``top1_agreement`` = share of steps where the setting's argmax equals vanilla's token;
 * answer, one batch: free greedy generation per setting (--answer-tokens, stops at EOS);
-  ``exact_match`` = the expected 4-digit code occurs in the text as a whole number (regex
-  ``(?<!\\d)CODE(?!\\d)``);
+  ``exact_match`` = ``Task.correct``: the expected 4-digit code occurs in the text as a whole number
+  (regex ``(?<!\\d)CODE(?!\\d)``); which_doc: the first title the text names is the gold one;
 * timing (--repeats rounds, settings in an order rotated every round and prompt): the documents in
   yet another order behind a sys prompt never seen before (a fresh nonce at its start, so vLLM's
   prefix cache cannot serve even its first block): every chunk a pool hit for blend, a full
@@ -101,18 +96,20 @@ import harness as H
 from blend_metrics import DEFINITIONS, FULL_KL_TOL, plot, print_table, rows
 from blend_runner import run
 from blend_task import DEFAULT_SETTINGS, SYS_TEXT, parse_settings
+from rag_tasks import FAMILIES, parse_docs, parse_families
 
 REPO = H.REPO
-QUICK = dict(prompts=2, docs=3, doc_tokens=80, repeats=1, distractors=1, continuation=14)
-"""--quick's sizes (one prompt of each task kind; 14 continuation steps reach the first digit of
-both kinds' usual answers); sizes given explicitly still win."""
+QUICK = dict(prompts=4, docs="3", doc_tokens=80, repeats=1, distractors=1, continuation=14)
+"""--quick's sizes (one prompt of each task family; 14 continuation steps reach the first digit of
+the code families' usual answers); sizes given explicitly still win."""
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--prompts", type=int, default=48, help="prompts, alternating fact and two_hop")
-    p.add_argument("--docs", type=int, default=4, help="documents per prompt")
-    p.add_argument("--doc-tokens", type=int, default=100,
+    p.add_argument("--prompts", type=int, default=48, help="prompts, the families in turn")
+    p.add_argument("--families", default="all", help=f"comma list of {', '.join(FAMILIES)}, or all")
+    p.add_argument("--docs", default="5-8", help="documents per prompt: N, or A-B drawn per prompt")
+    p.add_argument("--doc-tokens", type=int, default=150,
                    help="target tokens per document (0.75x..1.25x); the corpus holds ~33k distinct tokens")
     p.add_argument("--distractors", type=int, default=2, help="documents with a distractor fact")
     p.add_argument("--continuation", type=int, default=16, help="teacher-forced steps (vanilla's greedy output)")
@@ -130,16 +127,10 @@ def parse_args(argv=None):
     p.add_argument("--out", type=Path, default=REPO / "perf/results/blend_quality.json")
     p.add_argument("--replot", type=Path, default=None, help="only draw --plot again from this result JSON")
     p.add_argument("--plot", type=Path, default=REPO / "perf/results/blend_quality.png")
-    p.add_argument("--quick", action="store_true", help="smoke run: " + ", ".join(f"{k} {v}" for k, v in QUICK.items())
-                   + " (explicitly given sizes still win)")
-    raw = list(sys.argv[1:] if argv is None else argv)
-    args = p.parse_args(raw)
-    if args.quick:
-        given = {a.split("=")[0] for a in raw if a.startswith("--")}
-        for name, value in QUICK.items():
-            if "--" + name.replace("_", "-") not in given:
-                setattr(args, name, value)
+    args = H.parse_with_quick(p, argv, QUICK)
     args.settings = parse_settings(args.settings)
+    args.families = parse_families(args.families)
+    parse_docs(args.docs)
     return args
 
 
@@ -177,7 +168,7 @@ def result_of(args, argv, res, result_rows, clock) -> dict:
         "failures": res["failures"],
         "final_stats": res["final_stats"],
         "environment": clock.environment(),
-        "plot_title": (f"SmolLM2-135M fp32, {args.prompts} prompts (fact, two_hop) x {args.docs} docs "
+        "plot_title": (f"SmolLM2-135M fp32, {args.prompts} prompts ({', '.join(args.families)}) x {args.docs} docs "
                        f"(~{args.doc_tokens} tok), {args.continuation}-token continuation; {device}"),
     }
 
@@ -201,7 +192,7 @@ def main(argv=None) -> int:
         plot(result_rows, args.plot, result["plot_title"])
 
     print_table(result_rows)
-    print(f"answer position fallbacks (no digit in vanilla's continuation): {result['answer_position_fallbacks']} "
+    print(f"answer position fallbacks (no answer start in vanilla's continuation): {result['answer_position_fallbacks']} "
           f"of {len(res['reference'])} prompts")
     print(f"checks: {'passed' if not res['failures'] else 'FAILED'}")
     for failure in res["failures"][:40]:

@@ -3,8 +3,8 @@
 Contract:
 
 * per request: ``step_logprobs`` (a whole-vocabulary logprobs response as [steps, vocab]),
-  ``kl_steps`` (KL(vanilla || setting) per step), ``answer_position`` (the first step whose token
-  shows a digit), ``exact_match``;
+  ``kl_steps`` (KL(vanilla || setting) per step); where an answer starts and whether it is right
+  are the task's (``rag_tasks.Task.answer_step``, ``Task.correct``);
 * per setting: ``rows(args, res)`` turns ``blend_runner.run``'s per-prompt records into the result
   file's rows: every metric of ``METRICS`` as the mean over prompts with its 95 % bootstrap
   interval (``<metric>_ci``), per task kind too (``by_task``), and the timings;
@@ -14,7 +14,6 @@ Contract:
 """
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import numpy as np
@@ -35,21 +34,25 @@ DEFINITIONS = {
           "then over prompts (kl_median, kl_max: over prompts). vanilla's own row compares two identical "
           "vanilla requests: the harness noise floor",
     "kl_first": "KL at the first answer-bearing step: the first continuation position whose token's decoded text "
-                "contains a digit (where vanilla's code starts); position 0 where none does "
+                "contains a digit (where vanilla's code starts; which_doc: after which the text names the first "
+                "three letters of a title); position 0 where none does "
                 "(answer_position_fallbacks counts those prompts)",
     "kl_first_token": "KL at step 0 of the continuation (the first generated token)",
     "top1_agreement": "share of continuation steps where the setting's argmax over its full distribution equals "
                       "vanilla's token; per prompt, then the mean over prompts",
     "exact_match": "1 if the expected 4-digit code occurs in the setting's free greedy answer (detokenized text "
                    "of at most answer_tokens tokens, generation stopped at EOS) as a whole number, i.e. "
-                   "re.search(r'(?<!\\d)CODE(?!\\d)', text); the mean over prompts",
+                   "re.search(r'(?<!\\d)CODE(?!\\d)', text); which_doc: the first of the prompt's document "
+                   "titles the answer names (as a word) is the gold document's; the mean over prompts",
     "exact_match_delta": "per prompt exact_match(setting) - exact_match(vanilla), paired; the mean over prompts",
     "*_ci": "95 % percentile bootstrap interval of the mean: prompts resampled with replacement (2000 resamples, "
             "seed 0, the same resampled prompt sets for every metric of a row); widened to contain the point "
             "estimate where rounding puts it outside",
-    "by_task": "the same metrics and intervals over the prompts of one task kind: fact (one planted fact, "
-               "distractors for other colors/places) and two_hop (the building of a color/place in one document, "
-               "that building's code in another)",
+    "by_task": "the same metrics and intervals over the prompts of one task family of the run (rag_tasks.py): "
+               "fact (one planted fact in the question's words, distractors for other colors/places), paraphrase "
+               "(the code in other words than the question's), two_hop (the building of a color/place in one "
+               "document, that building's code in another), which_doc (the title of the document that mentions "
+               "the color/place)",
     "same_answer_as_vanilla": "share of prompts whose free answer text equals vanilla's",
     "ttft_ms": "p50 over prompts x repeats of the wall time of generate([one prompt], max_tokens=1, greedy); "
                "documents cached (a warm-up request per prompt and setting with another sys prompt and "
@@ -87,18 +90,6 @@ def kl_steps(ref: np.ndarray, other: np.ndarray) -> np.ndarray:
         terms = np.where(p > 0, p * (ref - other), 0.0)
     kl = terms.sum(axis=1)
     return np.where(np.isfinite(kl), kl, np.inf)
-
-
-def answer_position(tokenizer, tokens: list[int]) -> tuple[int, bool]:
-    """(the first step whose token's decoded text contains a digit, whether none did and 0 stands in)."""
-    for j, tok in enumerate(tokens):
-        if any(ch.isdigit() for ch in tokenizer.decode([tok])):
-            return j, False
-    return 0, True
-
-
-def exact_match(text: str, code: str) -> bool:
-    return re.search(rf"(?<!\d){code}(?!\d)", text) is not None
 
 
 # --- statistics -----------------------------------------------------------------------------------
@@ -167,7 +158,8 @@ def row_of(s, per: dict, vanilla_em: dict, full_prefill_ms, failed) -> dict:
                first_token_agreement=float(np.mean([q["top1_steps"][0] for q in quality])) if quality else None,
                n_continuation_steps=sum(len(q["top1_steps"]) for q in quality),
                **timing(s, per, full_prefill_ms), failed=failed)
-    row["by_task"] = {kind: summary([q for q in quality if q["kind"] == kind], vanilla_em) for kind in TASK_KINDS}
+    kinds = [kind for kind in TASK_KINDS if any(q["kind"] == kind for q in quality)]
+    row["by_task"] = {kind: summary([q for q in quality if q["kind"] == kind], vanilla_em) for kind in kinds}
     row["counters"] = counters(s, per)
     row["counters_note"] = ("deltas of llm.stats() summed per phase: warm (isolated: one per prompt; blend: the "
                             "one blend warm-up per prompt, counted under the setting that sent it), timed (new sys)"

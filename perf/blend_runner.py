@@ -18,8 +18,9 @@ import numpy as np
 from graphchunk.metrics import COUNTERS  # every counter graphchunk exports
 
 import harness as H
-from blend_metrics import answer_position, exact_match, kl_steps, step_logprobs
+from blend_metrics import kl_steps, step_logprobs
 from blend_task import NONCE_SYS, SYS_TEXT, Setting, Task, build_tasks, prompt_sizes, salt_of
+from rag_tasks import parse_docs
 
 
 # --- engine ---------------------------------------------------------------------------------------
@@ -31,7 +32,7 @@ def engine_kwargs(args, model_path: str, max_prompt: int) -> tuple[dict, dict, l
     from force_tokens import ForceTokens
 
     kv_per_token = H.kv_bytes_per_token(model_path, "float32")
-    bs, n = args.block_size, len(args.settings)
+    bs, n, max_docs = args.block_size, len(args.settings), parse_docs(args.docs)[1]
     max_gen = max(args.continuation, args.answer_tokens)
     max_model_len = round_up(max_prompt + max_gen + 64, 256)
     # Pool (LRU): the current prompt's entries must survive until its timed requests: k chunk
@@ -40,14 +41,14 @@ def engine_kwargs(args, model_path: str, max_prompt: int) -> tuple[dict, dict, l
     salts = {salt_of(s) for s in args.settings if s.graphchunk}
     n_isolated = sum(s.policy == "isolated" for s in args.settings)
     chunk_blocks = cdiv(64 + int(1.25 * args.doc_tokens) + 24, bs) + 1
-    per_prompt = (len(salts) + n_isolated * args.repeats) * (args.docs + 1) * chunk_blocks
+    per_prompt = (len(salts) + n_isolated * args.repeats) * (max_docs + 1) * chunk_blocks
     pool_tokens = args.pool_tokens or max(4096, int(1.5 * per_prompt) * bs)
     own_tokens = (n + 1) * max_model_len  # a batch of quality requests, one per setting, at once
     kv_bytes = (pool_tokens + own_tokens) * kv_per_token
     kwargs = H.llm_kwargs(model_path, dtype="float32", block_size=bs, max_model_len=max_model_len, max_num_seqs=n,
                           kv_cache_bytes=kv_bytes, seed=args.seed, enforce_eager=args.enforce_eager,
                           max_logprobs=-1, logits_processors=[ForceTokens], enable_chunked_prefill=False)
-    graphchunk = dict(pool_tokens=pool_tokens, max_chunks=max(32, args.docs), eviction="lru",
+    graphchunk = dict(pool_tokens=pool_tokens, max_chunks=max(32, max_docs), eviction="lru",
                       max_chunk_len=max(2048, 2 * args.doc_tokens))
     notes = [f"max_num_batched_tokens = max_model_len = {max_model_len} >= longest prompt {max_prompt} + "
              f"{max_gen} generated, chunked prefill off: every prefill runs whole in one step, also in a batch "
@@ -168,7 +169,7 @@ class Bench:
         if off:
             self.failures.append(f"prompt {t.index}: vanilla's greedy tokens at steps {off} are not the argmax "
                                  "of its own full logprobs")
-        at, fallback = answer_position(self.tokenizer, cont)
+        at, fallback = t.answer_step(self.tokenizer, cont)
         self.reference.append(dict(prompt=t.index, kind=t.kind, prompt_tokens=len(out.prompt_token_ids),
                                    boundaries=list(bounds), continuation=cont,
                                    continuation_text=self.tokenizer.decode(cont), answer_position=at,
@@ -231,7 +232,7 @@ class Bench:
         agree = (lp[:steps].argmax(axis=1) == np.asarray(ref.tokens[:steps])).astype(int)
         q = dict(prompt=t.index, kind=t.kind, kl=float(kl.mean()), kl_first=float(kl[min(ref.answer_at, steps - 1)]),
                  kl_first_token=float(kl[0]), top1_agreement=float(agree.mean()),
-                 exact_match=int(exact_match(text, t.code)), same_answer=int(text == vanilla_answer),
+                 exact_match=int(t.correct(text)), same_answer=int(text == vanilla_answer),
                  kl_steps=[float(x) for x in kl], top1_steps=[int(a) for a in agree], answer=text)
         self.per[s.label]["quality"].append(q)
         self.log(f"  prompt {t.index} {t.kind:>7} {s.label:>18}: kl {q['kl']:.3g}  kl_first {q['kl_first']:.3g}  "
@@ -252,7 +253,7 @@ class Bench:
             same = phase == "timed_same_sys"
             if not same:
                 rec["cached_timed"].append(cached)
-            check_timed(self.failures, t, s, delta, cached, self.args.docs, same_sys=same,
+            check_timed(self.failures, t, s, delta, cached, len(t.docs), same_sys=same,
                         sys_len=bounds[0] if same else 0, bs=self.args.block_size)
             self.log(f"  prompt {t.index} round {r} {s.label + (' same sys' if same else ''):>27}: "
                      f"{1e3 * wall:8.1f} ms  cached={cached}" + (f"  {nonzero(delta)}" if s.graphchunk else ""))

@@ -9,7 +9,8 @@ the result file's common parts, and plots.
   counters around a request), ``ttft_params`` / ``timed_generate`` (one request, its wall time);
 * statistics: ``percentile``, ``percentiles`` (p50/p90/mean/min/max/n), ``ratio``;
 * results: ``device_name``, ``git_state``, ``versions``, ``RunClock`` (load averages, start and
-  wall time), ``config_dict``, ``command_line``, ``write_json``;
+  wall time), ``parse_with_quick`` (a script's ``--quick`` sizes), ``config_dict``, ``command_line``,
+  ``write_json``;
 * plots: ``pyplot`` (matplotlib, headless), ``save_figure``.
 
 Workload text comes from ``graphchunk.reference.text`` (CPython's help topics), as in the tests.
@@ -216,6 +217,21 @@ class RunClock:
         return {**versions(), "load_average": self.load,
                 "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(self.started)),
                 "wall_s": time.time() - self.started}
+
+
+def parse_with_quick(parser, argv, quick: dict):
+    """``parser``'s arguments with a ``--quick`` flag: a smoke run at the sizes of ``quick``
+    ({dest: value}), where sizes given explicitly still win."""
+    parser.add_argument("--quick", action="store_true", help="smoke run: " + ", ".join(
+        f"{k} {v}" for k, v in quick.items()) + " (explicitly given sizes still win)")
+    raw = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(raw)
+    if args.quick:
+        given = {a.split("=")[0] for a in raw if a.startswith("--")}
+        for name, value in quick.items():
+            if "--" + name.replace("_", "-") not in given:
+                setattr(args, name, value)
+    return args
 
 
 def config_dict(args, skip=()) -> dict:

@@ -1,12 +1,12 @@
 """CI-sized run of ``perf/bench_blend.py`` (``--quick``): the benchmark that decides works end to end.
 
-One subprocess, as a user runs it: ``--quick`` (2 prompts, one ``fact`` and one ``two_hop`` task, 3
-documents of ~80 tokens, a 14-token continuation) with vanilla, isolated, blend none and cacheblend
+One subprocess, as a user runs it: ``--quick`` (4 prompts, one of each task family: ``fact``,
+``paraphrase``, ``two_hop``, ``which_doc``; 3 documents of ~80 tokens, a 14-token continuation) with vanilla, isolated, blend none and cacheblend
 r=1, isolated at a key temperature and the question-aware policy, ``--enforce-eager`` (vLLM's compile would take longer than the run). Asserts that it exits 0
 with its checks passed, that every setting has a row over every prompt with each metric and its 95 %
-bootstrap interval around it (overall and per task kind), and that the exactness anchors hold:
+bootstrap interval around it (overall and per task family), and that the exactness anchors hold:
 vanilla against itself and cacheblend r=1 against vanilla stay below ``FULL_KL_TOL``. Quality and
-timings are not asserted (two prompts decide nothing).
+timings are not asserted (four prompts decide nothing).
 """
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def test_exits_0_with_checks_passed(run):
 def test_every_setting_has_every_prompt(run):
     _, result, _ = run
     n = result["config"]["prompts"]
-    assert n == 2 and result["config"]["enforce_eager"] is True
+    assert n == len(TASK_KINDS) and result["config"]["enforce_eager"] is True
     assert [row["label"] for row in result["rows"]] == SETTINGS
     for row in result["rows"]:
         assert row["n_prompts"] == n and not row["failed"], row["label"]
@@ -78,7 +78,7 @@ def test_every_metric_has_its_interval(run):
         assert 0 <= row["top1_agreement"] <= 1 and 0 <= row["exact_match"] <= 1
 
 
-def test_both_task_kinds_with_gold_documents(run):
+def test_every_task_family_with_gold_documents(run):
     _, result, _ = run
     tasks = result["tasks"]
     assert sorted(t["kind"] for t in tasks) == sorted(TASK_KINDS)
@@ -86,6 +86,8 @@ def test_both_task_kinds_with_gold_documents(run):
         assert len(t["gold_docs"]) == (2 if t["kind"] == "two_hop" else 1), t
         assert len(set(t["gold_docs"])) == len(t["gold_docs"]), t
         assert t["distractors"] and all(d["doc"] not in t["gold_docs"] for d in t["distractors"]), t
+        if t["kind"] == "which_doc":
+            assert t["answer"] == t["titles"][t["gold_docs"][0]], t
 
 
 def test_full_recompute_and_vanilla_match_full_prefill(run):
