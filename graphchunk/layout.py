@@ -91,12 +91,21 @@ class Layout:
         causal = np.tril(np.ones((qi.size, qi.size), dtype=bool))
         return causal & ((kj == 0) | (kj == qi) | (qi == k + 1))
 
+    def document_keys(self, num_generated: int = 0) -> np.ndarray:
+        """Boolean [T, T]: True where a question or generated token (query) meets a chunk token (key),
+        the attention isolated mode's corrections change (key temperature, APE's merge)."""
+        k = self.num_chunks
+        qi, kj = self._query_key_segments(num_generated)
+        return (qi == k + 1) & (kj >= 1) & (kj <= k)
+
+    def question_queries(self, num_generated: int = 0) -> np.ndarray:
+        """Boolean [T, 1]: True for question and generated tokens."""
+        return self._query_key_segments(num_generated)[0] == self.num_chunks + 1
+
     def logit_scale(self, key_temperature: float, num_generated: int = 0) -> np.ndarray:
         """Float [T, T] factor on attention logits (isolated mode's key temperature): 1 / T where a
         question or generated token attends a chunk token, 1 elsewhere (sys, own chunk, question)."""
-        k = self.num_chunks
-        qi, kj = self._query_key_segments(num_generated)
-        return np.where((qi == k + 1) & (kj >= 1) & (kj <= k), 1.0 / key_temperature, 1.0)
+        return np.where(self.document_keys(num_generated), 1.0 / key_temperature, 1.0)
 
     def _query_key_segments(self, num_generated: int) -> tuple[np.ndarray, np.ndarray]:
         """Segment ids of the prompt and ``num_generated`` decode tokens (which belong to the

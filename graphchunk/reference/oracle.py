@@ -6,8 +6,12 @@ Computations that share nothing with graphchunk's serving path except ``Layout``
 - isolated mode with a key temperature T: the same forward, the attention logits of question and
   generated tokens to chunk tokens multiplied by 1/T (``Layout.logit_scale``) inside an attention
   function of the oracle's own (eager attention plus that factor; without T, eager attention itself);
+- isolated mode with APE's correction (``graphchunk.reference.ape``): the same forward, question and
+  generated tokens' attention split into two softmaxes merged by their log-sum-exps (``ape=``);
 - isolated mode, the incremental form: every chunk prefilled as its own ``sys ‖ chunk`` sequence
-  with ordinary causal attention, the KV concatenated, and the question run over it;
+  with ordinary causal attention, the KV concatenated, and the question run over it
+  (``incremental_last_logits``; ``isolated_cache`` + ``question_logprobs`` / ``question_generate``:
+  the question, teacher-forced or greedy, over a context computed once, optionally with APE);
 - blend mode's target: the plain causal forward (``causal_generate``, no mask, positions [0, N));
 - the question-aware recompute policy's ranking (``question_attention``): HF's attention
   probabilities of the question over the naively reused context;
@@ -28,6 +32,7 @@ import torch
 import transformers
 
 from graphchunk.layout import Layout
+from graphchunk.reference.ape import Ape, merged_attention
 from graphchunk.reference.models import LOCAL
 
 ATTENTION = "graphchunk_oracle"
@@ -56,25 +61,28 @@ class Oracle:
         self.eos_token_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
 
     @torch.inference_mode()
-    def prefill_logits(self, token_ids: list[int], layout: Layout, key_temperature: float = 1.0) -> torch.Tensor:
+    def prefill_logits(self, token_ids: list[int], layout: Layout, key_temperature: float = 1.0,
+                       ape: Ape | None = None) -> torch.Tensor:
         """Logits [T, vocab] (fp32) of every prompt token under the isolated mask and positions."""
         _check_length(token_ids, layout)
+        rows = slice(0, layout.num_tokens)
         out = self._forward(token_ids, layout.positions(), layout.attention_allowed(),
-                            scale=_scale(layout, key_temperature, 0))
+                            **_corrections(layout, key_temperature, ape, 0, rows))
         return out.logits[0].float()
 
     @torch.inference_mode()
     def generate(self, token_ids: list[int], layout: Layout, max_new_tokens: int,
-                 ignore_eos: bool = False, key_temperature: float = 1.0) -> OracleResult:
+                 ignore_eos: bool = False, key_temperature: float = 1.0, ape: Ape | None = None) -> OracleResult:
         """Greedy decoding; generated token n sits at position S+M+Q+n and attends to everything
         before it. Stops after an EOS token unless ``ignore_eos`` (as vLLM's SamplingParams).
-        ``key_temperature``: question and generated tokens' logits to chunk tokens divided by it."""
+        ``key_temperature``: question and generated tokens' logits to chunk tokens divided by it;
+        ``ape``: their attention merged as APE does (``graphchunk.reference.ape``)."""
         _check_length(token_ids, layout)
         if max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
         cache = transformers.DynamicCache(config=self.model.config)
         out = self._forward(token_ids, layout.positions(), layout.attention_allowed(), cache,
-                            _scale(layout, key_temperature, 0))
+                            **_corrections(layout, key_temperature, ape, 0, slice(0, layout.num_tokens)))
         tokens = []
         while True:
             last_logits = out.logits[0, -1].float()
@@ -82,26 +90,66 @@ class Oracle:
             if len(tokens) == max_new_tokens or (tokens[-1] in self.eos_token_ids and not ignore_eos):
                 return OracleResult(tokens, last_logits)
             num_generated = len(tokens)  # the newest token is fed back; it is decode token num_generated
-            scale = _scale(layout, key_temperature, num_generated)
-            out = self._forward(tokens[-1:], layout.positions(num_generated)[-1:],
-                                layout.attention_allowed(num_generated)[-1:], cache,
-                                None if scale is None else scale[-1:])
+            last = slice(layout.num_tokens + num_generated - 1, layout.num_tokens + num_generated)
+            out = self._forward(tokens[-1:], layout.positions(num_generated)[last],
+                                layout.attention_allowed(num_generated)[last], cache,
+                                **_corrections(layout, key_temperature, ape, num_generated, last))
 
     @torch.inference_mode()
-    def incremental_last_logits(self, token_ids: list[int], layout: Layout) -> torch.Tensor:
-        """Last prompt token's logits [vocab] (fp32) computed the way a chunk cache would."""
+    def isolated_cache(self, token_ids: list[int], layout: Layout) -> transformers.DynamicCache:
+        """The isolated context's KV, the incremental form: sys once, then every chunk's part of its
+        own causal ``sys ‖ chunk`` prefill (what a chunk cache stores and reuses)."""
         _check_length(token_ids, layout)
         sys_ids = token_ids[:layout.sys_len]
         segments = [sys_ids + token_ids[start:start + n]
                     for start, n in zip(layout.chunk_starts(), layout.chunk_lens)] or [sys_ids]
         segment_kvs = [self._causal_kv(segment) for segment in segments if segment]
-        cache = transformers.DynamicCache(
-            _concat_context_kv(segment_kvs, layout.sys_len) if segment_kvs else None,
-            config=self.model.config,
-        )
+        return transformers.DynamicCache(
+            _concat_context_kv(segment_kvs, layout.sys_len) if segment_kvs else None, config=self.model.config)
+
+    @torch.inference_mode()
+    def question_logprobs(self, cache: transformers.DynamicCache, token_ids: list[int], layout: Layout,
+                          forced: list[int], apes: Sequence[Ape | None] = (None,)) -> torch.Tensor:
+        """Log-softmax [len(apes), len(forced), vocab] at each step of a teacher-forced continuation:
+        the question and ``forced[:-1]`` in one forward over an ``isolated_cache`` (not changed), one
+        batch row per APE setting (None: plain isolated mode)."""
+        g = len(forced) - 1
+        rows = slice(layout.context_len, layout.num_tokens + g)
+        width = layout.num_tokens + g
+        batch = _batched(cache, len(apes), width, self.model.config)
+        out = self._forward(token_ids[layout.context_len:] + forced[:-1], layout.positions(g)[rows],
+                            _padded(layout.attention_allowed(g)[rows], width), batch, keep=len(forced),
+                            batch=len(apes), **_ape_rows(layout, apes, g, rows, width))
+        return out.logits.float().log_softmax(-1)
+
+    @torch.inference_mode()
+    def question_generate(self, cache: transformers.DynamicCache, token_ids: list[int], layout: Layout,
+                          max_new_tokens: int, apes: Sequence[Ape | None] = (None,)) -> list[list[int]]:
+        """Greedy tokens of the question over an ``isolated_cache`` (not changed), one list per APE
+        setting (None: plain isolated mode), each ending at its first EOS."""
+        rows = slice(layout.context_len, layout.num_tokens)
+        width = layout.num_tokens + max_new_tokens
+        batch = _batched(cache, len(apes), width, self.model.config)
+        new, tokens = [token_ids[layout.context_len:]] * len(apes), []
+        while len(tokens) < max_new_tokens and not (tokens and all(self._ended(t) for t in zip(*tokens))):
+            g = len(tokens)
+            out = self._forward(new, layout.positions(g)[rows], _padded(layout.attention_allowed(g)[rows], width),
+                                batch, keep=1, batch=len(apes), **_ape_rows(layout, apes, g, rows, width))
+            tokens.append(out.logits[:, -1].argmax(-1).tolist())
+            new, rows = [[t] for t in tokens[-1]], slice(layout.num_tokens + g, layout.num_tokens + g + 1)
+        per_setting = [list(t) for t in zip(*tokens)]
+        return [t[:next((j + 1 for j, x in enumerate(t) if x in self.eos_token_ids), len(t))] for t in per_setting]
+
+    def _ended(self, tokens) -> bool:
+        return any(t in self.eos_token_ids for t in tokens)
+
+    @torch.inference_mode()
+    def incremental_last_logits(self, token_ids: list[int], layout: Layout) -> torch.Tensor:
+        """Last prompt token's logits [vocab] (fp32) computed the way a chunk cache would."""
+        cache = self.isolated_cache(token_ids, layout)
         question = slice(layout.context_len, layout.num_tokens)
         # No mask: HF's own causal mask over cache + question is "everything before".
-        out = self._forward(token_ids[question], layout.positions()[question], None, cache)
+        out = self._forward(token_ids[question], layout.positions()[question], None, cache, keep=1)
         return out.logits[0, -1].float()
 
     @torch.inference_mode()
@@ -109,12 +157,12 @@ class Oracle:
         """Greedy tokens and each one's log-softmax over the vocabulary, under HF's plain causal
         forward (what vanilla vLLM computes); EOS does not stop it."""
         cache = transformers.DynamicCache(config=self.model.config)
-        out = self._forward(token_ids, np.arange(len(token_ids)), None, cache)
+        out = self._forward(token_ids, np.arange(len(token_ids)), None, cache, keep=1)
         return self._greedy(out, cache, len(token_ids), max_new_tokens)
 
     @torch.inference_mode()
     def blend_generate(self, token_ids: list[int], layout: Layout, recomputed: Sequence[int],
-                       max_new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
+                       max_new_tokens: int, stop_at_eos: bool = False) -> tuple[list[int], list[torch.Tensor]]:
         """Blend mode with the chunk tokens ``recomputed`` given fresh KV (empty: naive reuse).
 
         Every other chunk token's KV is computed alone at the positions where its chunk lands
@@ -127,8 +175,19 @@ class Oracle:
         cache, kept, fresh = self._blend_cache(token_ids, layout, recomputed)
         new = np.array(fresh + list(range(layout.context_len, layout.num_tokens)), dtype=np.int64)
         keys = np.concatenate([np.array(kept, dtype=np.int64), new])
-        out = self._forward([token_ids[t] for t in new], new, keys[None, :] <= new[:, None], cache)
-        return self._greedy(out, cache, layout.num_tokens, max_new_tokens)
+        out = self._forward([token_ids[t] for t in new], new, keys[None, :] <= new[:, None], cache, keep=1)
+        return self._greedy(out, cache, layout.num_tokens, max_new_tokens, stop_at_eos)
+
+    @torch.inference_mode()
+    def blend_logprobs(self, token_ids: list[int], layout: Layout, recomputed: Sequence[int],
+                       forced: list[int]) -> torch.Tensor:
+        """``blend_generate``'s model teacher-forced on ``forced``: log-softmax [len(forced), vocab]."""
+        cache, kept, fresh = self._blend_cache(token_ids, layout, recomputed)
+        new = np.array(fresh + list(range(layout.context_len, layout.num_tokens + len(forced) - 1)), dtype=np.int64)
+        keys = np.concatenate([np.array(kept, dtype=np.int64), new])
+        ids = [token_ids[t] for t in new[:len(new) - len(forced) + 1]] + forced[:-1]
+        out = self._forward(ids, new, keys[None, :] <= new[:, None], cache, keep=len(forced))
+        return out.logits[0].float().log_softmax(-1)
 
     @torch.inference_mode()
     def question_attention(self, token_ids: list[int], layout: Layout) -> np.ndarray:
@@ -151,18 +210,24 @@ class Oracle:
         fresh = sorted(fresh_set)
         if any(not layout.sys_len <= t < layout.context_len for t in fresh):
             raise ValueError("only chunk tokens can be recomputed")
-        parts, kept = [], []
-        if layout.sys_len:
-            parts.append(self._causal_kv(token_ids[:layout.sys_len]))
-            kept += range(layout.sys_len)
-        for start, n in zip(layout.chunk_starts(), layout.chunk_lens):
-            keep = [t for t in range(start, start + n) if t not in fresh_set]
-            kv = self._causal_kv(token_ids[start:start + n], first_position=start)
-            parts.append([tuple(x[:, :, [t - start for t in keep]] for x in layer) for layer in kv])
-            kept += keep
-        layers = [tuple(torch.cat([part[layer][which] for part in parts], dim=2) for which in (0, 1))
-                  for layer in range(len(parts[0]))]
+        alone = self._alone_kv(token_ids, layout)  # [context_len] per layer: sys causal, chunks alone
+        kept = [t for t in range(layout.context_len) if t not in fresh_set]
+        index = torch.tensor(kept, dtype=torch.long)
+        layers = [tuple(x[:, :, index] for x in layer) for layer in alone]
         return transformers.DynamicCache(layers, config=self.model.config), kept, fresh
+
+    def _alone_kv(self, token_ids: list[int], layout: Layout) -> list[LayerKV]:
+        """The context's KV as blend reuses it (sys causal at [0, S), every chunk computed alone at
+        the positions where it lands), per layer; the last prompt's is kept, so the settings of one
+        prompt compute it once."""
+        key = (tuple(token_ids), layout)
+        if getattr(self, "_alone", (None,))[0] != key:
+            parts = [self._causal_kv(token_ids[:layout.sys_len])] if layout.sys_len else []
+            parts += [self._causal_kv(token_ids[start:start + n], first_position=start)
+                      for start, n in zip(layout.chunk_starts(), layout.chunk_lens)]
+            self._alone = key, [tuple(torch.cat([part[layer][which] for part in parts], dim=2) for which in (0, 1))
+                                for layer in range(len(parts[0]))]
+        return self._alone[1]
 
     def naive_reuse_generate(self, token_ids: list[int], layout: Layout,
                              max_new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
@@ -170,12 +235,13 @@ class Oracle:
         positions [P, P + L); sys causal at [0, S); question and generated tokens over all of it."""
         return self.blend_generate(token_ids, layout, (), max_new_tokens)
 
-    def _greedy(self, out, cache, next_position: int, max_new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
+    def _greedy(self, out, cache, next_position: int, max_new_tokens: int,
+                stop_at_eos: bool = False) -> tuple[list[int], list[torch.Tensor]]:
         tokens, logprobs = [], []
         while True:
             logprobs.append(out.logits[0, -1].float().log_softmax(-1))
             tokens.append(int(logprobs[-1].argmax()))
-            if len(tokens) == max_new_tokens:
+            if len(tokens) == max_new_tokens or (stop_at_eos and tokens[-1] in self.eos_token_ids):
                 return tokens, logprobs
             out = self._forward(tokens[-1:], np.array([next_position]), None, cache)
             next_position += 1
@@ -183,21 +249,31 @@ class Oracle:
     def _causal_kv(self, token_ids: list[int], first_position: int = 0) -> list[LayerKV]:
         """KV of an ordinary causal prefill at positions [first_position, first_position + len)."""
         cache = transformers.DynamicCache(config=self.model.config)
-        self._forward(token_ids, np.arange(first_position, first_position + len(token_ids)), None, cache)
+        self._forward(token_ids, np.arange(first_position, first_position + len(token_ids)), None, cache, keep=1)
         return [(layer.keys, layer.values) for layer in cache.layers]
 
     def _forward(self, token_ids: list[int], positions: np.ndarray, allowed: np.ndarray | None,
                  cache: transformers.DynamicCache | None = None, scale: np.ndarray | None = None,
-                 output_attentions: bool = False):
+                 output_attentions: bool = False, ape: tuple | None = None, keep: int = 0, batch: int = 1):
+        """One HF forward; ``keep``: logits of the last ``keep`` tokens only (0: every token's; the
+        vocabulary projection of a whole prompt costs more than the rest of a small model);
+        ``batch``: the same tokens in that many rows (or ``token_ids`` a list of rows), every row at
+        the same positions under the same mask."""
         extra = {"output_attentions": True} if output_attentions else {}
         if scale is not None:
             extra["logit_scale"] = torch.from_numpy(scale).to(self.dtype)[None, None]
+        if ape is not None:
+            tempered, temperature, s = ape
+            tempered = torch.from_numpy(tempered)
+            extra["ape"] = (tempered[None, None] if tempered.ndim == 2 else tempered[:, None], temperature, s)
+        ids = token_ids if token_ids and isinstance(token_ids[0], list) else [token_ids] * batch
         return self.model(
-            input_ids=torch.tensor([token_ids]),
+            input_ids=torch.tensor(ids),
             position_ids=torch.from_numpy(positions)[None],
             attention_mask=None if allowed is None else self._additive_mask(allowed),
             past_key_values=cache,
             use_cache=cache is not None,
+            logits_to_keep=keep,
             **extra,
         )
 
@@ -217,22 +293,68 @@ def _concat_context_kv(segment_kvs: list[list[LayerKV]], sys_len: int) -> list[L
     return [(cat(layer, 0), cat(layer, 1)) for layer in range(len(segment_kvs[0]))]
 
 
-def _scale(layout: Layout, key_temperature: float, num_generated: int) -> np.ndarray | None:
-    """The logit factors [T + n, T + n] of a key temperature; None at 1 (plain eager attention)."""
-    return None if key_temperature == 1 else layout.logit_scale(key_temperature, num_generated)
+def _corrections(layout: Layout, key_temperature: float, ape: Ape | None, num_generated: int, rows: slice) -> dict:
+    """``_forward``'s arguments for the query ``rows`` of a forward (all keys so far): the logit
+    factors of a key temperature (none at 1: plain eager attention) and APE's tempered part."""
+    if key_temperature != 1 and ape is not None:
+        raise ValueError("a key temperature and APE's correction are two corrections of one thing; give one")
+    out = {}
+    if key_temperature != 1:
+        out["scale"] = layout.logit_scale(key_temperature, num_generated)[rows]
+    if ape is not None:
+        out["ape"] = (ape.tempered(layout, num_generated)[rows], ape.temperature, ape.scale)
+    return out
+
+
+def _ape_rows(layout: Layout, apes: Sequence[Ape | None], num_generated: int, rows: slice, width: int) -> dict:
+    """``_forward``'s ``ape`` for one batch row per setting (None: T = S = 1 with nothing tempered,
+    i.e. plain attention), keys padded to ``width``; {} when no row has APE."""
+    if all(ape is None for ape in apes):
+        return {}
+    nothing = np.zeros_like(layout.document_keys(num_generated)[rows])
+    tempered = np.stack([_padded(nothing if ape is None else ape.tempered(layout, num_generated)[rows], width)
+                         for ape in apes])
+    column = lambda values: torch.tensor(values, dtype=torch.float32)[:, None, None, None]  # noqa: E731
+    return {"ape": (tempered, column([1.0 if a is None else a.temperature for a in apes]),
+                    column([1.0 if a is None else a.scale for a in apes]))}
+
+
+def _batched(cache: transformers.DynamicCache, batch: int, width: int, config) -> transformers.StaticCache:
+    """A new cache of ``width`` tokens holding ``cache``'s context ``batch`` times (``cache`` itself is
+    not changed). Static: a decode step writes its token in place (a dynamic cache of 14 rows copies
+    the whole context at every step, 7x a step's own cost); attention then reads all ``width`` keys,
+    the ones not yet written masked (``_padded``)."""
+    static = transformers.StaticCache(config=config, max_cache_len=width)
+    for layer, context in zip(static.layers, cache.layers):
+        layer.update(context.keys.expand(batch, -1, -1, -1), context.values.expand(batch, -1, -1, -1))
+    return static
+
+
+def _padded(keys: np.ndarray, width: int) -> np.ndarray:
+    """A boolean [..., keys] matrix with False columns up to ``width`` keys."""
+    return np.pad(keys, [(0, 0)] * (keys.ndim - 1) + [(0, width - keys.shape[-1])])
 
 
 def _scaled_eager_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, logit_scale=None,
-                            **kwargs):
+                            ape=None, **kwargs):
     """The model's own eager attention; with ``logit_scale`` [1, 1, queries, keys], plain
     dot-product attention whose logits q.k * scaling are multiplied by it before the mask is added
-    and the softmax taken."""
-    if logit_scale is None:
+    and the softmax taken; with ``ape`` (tempered [1, 1, queries, keys], T, S), APE's merge of the
+    tempered part and the rest (``graphchunk.reference.ape.merged_attention``)."""
+    if logit_scale is None and ape is None:
         eager = importlib.import_module(type(module).__module__).eager_attention_forward
         return eager(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     if getattr(module.config, "attn_logit_softcapping", None) or kwargs.get("sliding_window"):
-        raise NotImplementedError("the oracle's key temperature covers plain dot-product attention only")
+        raise NotImplementedError("the oracle's key temperature and APE cover plain dot-product attention only")
     groups = module.num_key_value_groups
+    if ape is not None:  # query heads grouped per KV head: [batch, kv_heads, groups, queries, ...]
+        b, h, q, d = query.shape
+        grouped = query.view(b, h // groups, groups, q, d)
+        logits = torch.matmul(grouped, key[:, :, None].transpose(3, 4)) * scaling
+        allowed = attention_mask == 0 if attention_mask is not None else torch.ones_like(ape[0])
+        t, s = (x[..., None] if torch.is_tensor(x) else x for x in ape[1:])  # per batch row, or one float
+        out = merged_attention(logits, value[:, :, None], allowed[:, :, None], ape[0][:, :, None], t, s)
+        return out.view(b, h, q, d).transpose(1, 2).contiguous(), None
     keys, values = (x.repeat_interleave(groups, dim=1) for x in (key, value))
     weights = torch.matmul(query, keys.transpose(2, 3)) * scaling * logit_scale
     if attention_mask is not None:

@@ -1,0 +1,53 @@
+"""CI-sized run of ``perf/bench_oracle_quality.py`` (``--quick``): the oracle's quality benchmark works
+end to end. One subprocess as a user runs it (4 prompts, one per task family, 3 documents of ~80
+tokens): it exits 0 with its checks passed, every setting has a row over every prompt with exact
+match, KL and their 95 % intervals around them (overall and per family), full prefill is its own
+reference and recomputing every chunk token equals it. Quality is not asserted (four prompts decide
+nothing)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "perf"))
+
+from blend_metrics import FULL_KL_TOL  # noqa: E402
+from rag_tasks import FAMILIES  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    out = tmp_path_factory.mktemp("oracle_quality")
+    cmd = [sys.executable, str(REPO / "perf/bench_oracle_quality.py"), "--quick", "--out", str(out / "q.json"),
+           "--plot", str(out / "q.png")]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    assert (out / "q.png").stat().st_size > 0
+    return json.loads((out / "q.json").read_text())
+
+
+def test_every_setting_has_every_prompt_and_family(result):
+    assert result["checks_passed"] and not result["failures"]
+    (run,) = result["lengths"]
+    labels = [row["label"] for row in run["rows"]]
+    assert labels[0] == "full" and {"isolated", "ape:0.9:0.9", "ape-prefix:0.9:0.9", "recompute:1"} <= set(labels)
+    for row in run["rows"]:
+        assert row["n_prompts"] == len(FAMILIES) and set(row["by_family"]) == set(FAMILIES), row["label"]
+        for stats in [row, *row["by_family"].values()]:
+            for metric in ("exact_match", "exact_match_delta", "kl", "kl_first"):
+                lo, hi = stats[metric + "_ci"]
+                assert lo <= stats[metric] <= hi, (row["label"], metric)
+
+
+def test_full_prefill_is_the_reference_and_full_recompute_equals_it(result):
+    rows = {row["label"]: row for row in result["lengths"][0]["rows"]}
+    assert rows["full"]["exact_match_delta"] == 0 and abs(rows["full"]["kl"]) < FULL_KL_TOL
+    assert abs(rows["recompute:1"]["kl"]) < FULL_KL_TOL
+    assert rows["recompute:1"]["per_prompt"]["answer"] == rows["full"]["per_prompt"]["answer"]
