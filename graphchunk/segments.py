@@ -10,8 +10,11 @@ Degenerate cases, each a tested, documented behaviour:
 
 ========================  ====================================================================
 no separator              ``None``: an ordinary prompt, run exactly as vanilla vLLM
-separator first           empty sys (S = 0); the chunks start at position 0 (``" ## doc"``: the
-                          separator needs its space)
+separator first           empty sys (S = 0); the chunks start at position 0: the prompt's first
+                          word is the separator (``"## doc ## q"``, ``" ## doc ## q"``) and at
+                          least one more separator counts; a leading Markdown heading with no
+                          further separator (``"## Title\ntext"``) is an ordinary prompt; a sys
+                          of whitespace only is empty, its tokens open the first chunk
 empty chunk               explicit boundaries: dropped (it has no tokens, nothing changes);
                           separator text (consecutive separators, or only whitespace between
                           two): its tokens join the following segment
@@ -24,7 +27,8 @@ What counts as a separator: the separator string (its own leading and trailing w
 ignored: ``" ## "`` and ``"##"`` are one separator) standing as a word of its own inside a line:
 a space or tab right before it, whitespace or the end of the text right after it, and not the
 first word of a line (except the prompt's first line, so that ``" ## doc ## question"`` has an
-empty sys). Markdown headings (``## Title``, indented or not), ``###``/``####``, ``a##b``, ``##``
+empty sys); the prompt's very first word counts too when at least one more separator counts
+(``"## doc ## question"``: an empty sys, as the seed documents write it). Markdown headings (``## Title``, indented or not), ``###``/``####``, ``a##b``, ``##``
 alone on a line and indented ``## comments`` in code never count, so a Markdown document is not
 split at its headings. (C's token pasting, ``a ## b``, and an inline ``x = 1  ## note`` do count:
 send code as documents or with explicit boundaries.)
@@ -141,6 +145,8 @@ class SeparatorSplitter:
         def has_content(a: int, b: int) -> bool:
             return b > a and bool(content[token_starts[a]:ends[b - 1]].any())
 
+        if not has_content(0, starts[0]):  # a sys of whitespace only (``"\n## doc"``): empty, its tokens open c_1
+            starts[0] = 0
         edges = starts + [len(pieces)]
         if not has_content(edges[-2], edges[-1]):
             raise SegmentationError("the question (last segment) is empty: the prompt ends with the separator")
@@ -155,7 +161,8 @@ class SeparatorSplitter:
 
 
 def _find_all(text: str, needle: str) -> list[tuple[int, int]]:
-    """Where ``needle`` stands as a word of its own inside a line (the module docstring's rule)."""
+    """Where ``needle`` stands as a word of its own inside a line (the module docstring's rule),
+    and as the prompt's first word when another occurrence counts."""
     found, at = [], text.find(needle)
     while at >= 0:
         end = at + len(needle)
@@ -164,6 +171,10 @@ def _find_all(text: str, needle: str) -> list[tuple[int, int]]:
         if at > 0 and text[at - 1] in " \t" and (end == len(text) or text[end].isspace()) and not first_word:
             found.append((at, end))
         at = text.find(needle, at + 1)
+    lead = len(text) - len(text.lstrip())
+    end = lead + len(needle)
+    if found and found[0][0] > lead and text.startswith(needle, lead) and end < len(text) and text[end].isspace():
+        found.insert(0, (lead, end))
     return found
 
 

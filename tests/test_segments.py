@@ -99,11 +99,23 @@ def test_markdown_headings_and_code_never_count_as_separators(tokenizer, splitte
     assert document.strip() in tokenizer.decode(seg.chunk_tokens(0))
 
 
-def test_separator_first_gives_an_empty_sys(tokenizer, splitters):
-    assert splitters["##"].split(tokenizer.encode("## Paris is in France.")) is None  # a Markdown heading
-    seg = splitters["##"].split(tokenizer.encode(" ## Paris is in France. ## Where is Paris?"))
-    assert seg.layout.sys_len == 0 and seg.layout.num_chunks == 1
+@pytest.mark.parametrize("lead", ["", " ", "\n", "  \n "])
+def test_separator_first_gives_an_empty_sys(tokenizer, splitters, lead):
+    seg = splitters["##"].split(tokenizer.encode(f"{lead}## Paris is in France. ## Rome is in Italy. ## Where?"))
+    assert seg.layout.sys_len == 0 and seg.layout.num_chunks == 2
     assert seg.layout.positions()[0] == 0
+    texts = segment_texts(tokenizer, seg)
+    assert texts[1].strip() == "## Paris is in France." and texts[2].strip() == "## Rome is in Italy."
+
+
+@pytest.mark.parametrize("text", ["## Paris is in France.", "## Title\nParis is in France.\n\n## Rome\nItaly.",
+                                  "##Paris ## Where?"])
+def test_a_leading_heading_alone_stays_ordinary_or_plain_text(tokenizer, splitters, text):
+    seg = splitters["##"].split(tokenizer.encode(text))
+    if "Where" not in text:
+        assert seg is None  # a Markdown document: its headings never count
+    else:
+        assert seg.layout.num_chunks == 0 and seg.layout.sys_len > 0  # "##Paris" is a word of text: sys
 
 
 def test_separator_last_is_an_error(tokenizer, splitters):
