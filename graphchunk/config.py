@@ -35,12 +35,14 @@ class GraphChunkConfig:
     """Which unused pool entry is evicted first: 'gdsf' (hits x tokens per block, with aging), 'lfu'
     (hits, with aging) or 'lru' (``eviction.py``; measured in perf/results/eviction.json)."""
     mode: str = "isolated"
-    """Default mode of segmented requests: 'isolated' (exact, DESIGN.md §2) or 'blend' (approximate
-    reuse behind any sys prompt at any offset); a request may override it (``graphchunk_mode``)."""
+    """Default mode of segmented requests: 'isolated' (exact to its own semantics, DESIGN.md §2: it
+    equals the isolated reference, not full prefill, and answers differently from full prefill:
+    perf/results/oracle_quality.json) or 'blend' (approximate reuse of full prefill behind any sys
+    prompt at any offset); a request may override it (``graphchunk_mode``)."""
     key_temperature: float = 1.0
     """Isolated mode: the question's and generated tokens' attention logits to chunk tokens are divided
     by it (APE's attention temperature, with its scale S = 1/T: one softmax); applied to the chunk keys
-    as they are copied into a request, so the pool keeps plain keys; 1 is exact isolated mode. A
+    as they are copied into a request, so the pool keeps plain keys; 1 is plain isolated mode. A
     request may override it (``graphchunk_key_temperature``). Measured in perf/results/blend_quality.json:
     0.85 and 1.15 raise KL against full prefill over 1, so 1 is the default."""
     recompute: str = "legolink"
