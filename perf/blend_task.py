@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from graphchunk.engine.frontend import TEMPERATURE_ARG
 
-from rag_tasks import FAMILIES as TASK_KINDS, Task, build_tasks  # noqa: F401  (bench_blend's names)
+from rag_tasks import FAMILIES as TASK_KINDS, Task, build_tasks, encode  # noqa: F401  (bench_blend's names)
 
 DEFAULT_SETTINGS = ("vanilla,isolated:1,isolated:0.85,isolated:1.15,none,"
                     "cacheblend:0.05,cacheblend:0.15,cacheblend:0.3,question:0.05,question:0.15,question:0.3,"
@@ -106,7 +106,7 @@ def prompt_sizes(tokenizer, tasks: list[Task]) -> tuple[list[int], list[list[int
     prompt a timed request can send (its sys a nonce sys instead of SYS_TEXT)."""
     from graphchunk.llm import RagPrompt, encode_prompt
 
-    encoded = [encode_prompt(tokenizer, RagPrompt(SYS_TEXT, t.docs, t.question, chat=True)) for t in tasks]
+    encoded = [encode(tokenizer, SYS_TEXT, t) for t in tasks]
     prompt_lens = [len(ids) for ids, _ in encoded]
     doc_lens = [[b - a for a, b in zip(bounds[:-1], bounds[1:])] for _, bounds in encoded]
     longest_sys = encode_prompt(tokenizer, RagPrompt(NONCE_SYS.format("ffffff"), ["x"], "q", chat=True))[1][0]

@@ -8,8 +8,9 @@ Contract:
   ~``args.doc_tokens`` tokens (0.75x..1.25x), at most ``args.distractors`` distractor facts;
 * ``Task.correct(text)``: exact match of a free answer; ``Task.answer_step(tokenizer, tokens)``: the
   first continuation step that starts an answer (where KL "at the first answer token" is read);
-* ``prompt_sizes`` encodes the prompts the way ``GraphChunkLLM`` will (``graphchunk.llm.encode_prompt``,
-  documents of a chat request: the documents path of the OpenAI server).
+* ``encode(tokenizer, sys_text, task)``: a task's token ids and boundaries the way ``GraphChunkLLM``
+  sends them (``graphchunk.llm.encode_prompt``, documents of a chat request: the documents path of
+  the OpenAI server).
 
 Families (``FAMILIES``), none of them an answer copied next to the question's own words only:
 
@@ -90,10 +91,6 @@ class Task:
     building: str | None = None  # two_hop: the building the color/place is in
     titles: list[str] | None = None  # which_doc: every document's title, canonical order
     orders: list[list[int]] = field(default_factory=list)  # [warm-up, timed round 1..R]
-
-    @property
-    def code(self) -> str:  # the name bench_blend's records have always used
-        return self.answer
 
     def correct(self, text: str) -> bool:
         """Exact match: the code as a whole number; which_doc: the first title named is the gold one."""

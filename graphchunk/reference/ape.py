@@ -48,10 +48,6 @@ class Ape:
         if self.side not in SIDES:
             raise ValueError(f"APE side {self.side!r}: one of {SIDES}")
 
-    @property
-    def label(self) -> str:
-        return f"ape T={self.temperature:g} S={self.scale:g}" + ("" if self.side == "documents" else " prefix")
-
     def tempered(self, layout, num_generated: int = 0) -> np.ndarray:
         """Boolean [T, T]: the keys of the tempered part for every query (none for sys and chunk
         queries); ``Layout.attention_allowed`` still decides what is attended at all."""

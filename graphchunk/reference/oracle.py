@@ -59,6 +59,7 @@ class Oracle:
         self.dtype = dtype
         eos = self.model.generation_config.eos_token_id
         self.eos_token_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        self._alone: tuple = (None, None)  # (prompt, its blend context KV): ``_alone_kv``'s last prompt
 
     @torch.inference_mode()
     def prefill_logits(self, token_ids: list[int], layout: Layout, key_temperature: float = 1.0,
@@ -172,22 +173,27 @@ class Oracle:
         reused KV before it and to the fresh KV of the recomputed tokens before it — what
         recomputing them under full causal attention means. Generated tokens follow at ordinary
         positions."""
-        cache, kept, fresh = self._blend_cache(token_ids, layout, recomputed)
-        new = np.array(fresh + list(range(layout.context_len, layout.num_tokens)), dtype=np.int64)
-        keys = np.concatenate([np.array(kept, dtype=np.int64), new])
-        out = self._forward([token_ids[t] for t in new], new, keys[None, :] <= new[:, None], cache, keep=1)
+        cache, new, allowed = self._blend_run(token_ids, layout, recomputed, 0)
+        out = self._forward([token_ids[t] for t in new], new, allowed, cache, keep=1)
         return self._greedy(out, cache, layout.num_tokens, max_new_tokens, stop_at_eos)
 
     @torch.inference_mode()
     def blend_logprobs(self, token_ids: list[int], layout: Layout, recomputed: Sequence[int],
                        forced: list[int]) -> torch.Tensor:
         """``blend_generate``'s model teacher-forced on ``forced``: log-softmax [len(forced), vocab]."""
-        cache, kept, fresh = self._blend_cache(token_ids, layout, recomputed)
-        new = np.array(fresh + list(range(layout.context_len, layout.num_tokens + len(forced) - 1)), dtype=np.int64)
-        keys = np.concatenate([np.array(kept, dtype=np.int64), new])
+        cache, new, allowed = self._blend_run(token_ids, layout, recomputed, len(forced) - 1)
         ids = [token_ids[t] for t in new[:len(new) - len(forced) + 1]] + forced[:-1]
-        out = self._forward(ids, new, keys[None, :] <= new[:, None], cache, keep=len(forced))
+        out = self._forward(ids, new, allowed, cache, keep=len(forced))
         return out.logits[0].float().log_softmax(-1)
+
+    def _blend_run(self, token_ids: list[int], layout: Layout, recomputed: Sequence[int], num_generated: int):
+        """(cache, logical indices = positions of the tokens to run, their mask): the recomputed chunk
+        tokens, the question and ``num_generated`` generated tokens over the reused KV, each seeing
+        every token at a smaller or equal position."""
+        cache, kept, fresh = self._blend_cache(token_ids, layout, recomputed)
+        new = np.array(fresh + list(range(layout.context_len, layout.num_tokens + num_generated)), dtype=np.int64)
+        keys = np.concatenate([np.array(kept, dtype=np.int64), new])
+        return cache, new, keys[None, :] <= new[:, None]
 
     @torch.inference_mode()
     def question_attention(self, token_ids: list[int], layout: Layout) -> np.ndarray:
@@ -221,7 +227,7 @@ class Oracle:
         the positions where it lands), per layer; the last prompt's is kept, so the settings of one
         prompt compute it once."""
         key = (tuple(token_ids), layout)
-        if getattr(self, "_alone", (None,))[0] != key:
+        if self._alone[0] != key:
             parts = [self._causal_kv(token_ids[:layout.sys_len])] if layout.sys_len else []
             parts += [self._causal_kv(token_ids[start:start + n], first_position=start)
                       for start, n in zip(layout.chunk_starts(), layout.chunk_lens)]
