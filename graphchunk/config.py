@@ -29,8 +29,12 @@ class GraphChunkConfig:
     """Most chunks one prompt may have."""
     max_chunk_len: int = 2048
     """Most tokens one chunk may have (separator tokens included)."""
-    pool_tokens: int = 65536
-    """Chunk-pool budget in tokens of KV (rounded up to whole blocks)."""
+    pool_tokens: int = 0
+    """Chunk-pool budget in tokens of KV (rounded up to whole blocks), carved out of vLLM's KV cache.
+    0: sized at start-up to half of the KV-cache budget vLLM resolved (``--kv-cache-memory-bytes`` or
+    ``--gpu-memory-utilization``), at least what the pool must hold at once (a sys prompt of
+    max_model_len tokens and one chunk of max_chunk_len), and logged; a set value that does not fit
+    the budget is refused."""
     eviction: str = DEFAULT_POLICY
     """Which unused pool entry is evicted first: 'gdsf' (hits x tokens per block, with aging), 'lfu'
     (hits, with aging) or 'lru' (``eviction.py``; measured in perf/results/eviction.json)."""
@@ -84,9 +88,12 @@ class GraphChunkConfig:
             object.__setattr__(self, name, float(getattr(self, name)))
         if not valid_key_temperature(self.key_temperature):
             raise ConfigError(f"graphchunk.key_temperature must be a number > 0, got {self.key_temperature!r}")
-        for name in ("max_chunks", "max_chunk_len", "pool_tokens", "store_bytes"):
+        for name in ("max_chunks", "max_chunk_len", "store_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"graphchunk.{name} must be >= 1, got {getattr(self, name)}")
+        if self.pool_tokens < 0:
+            raise ConfigError(f"graphchunk.pool_tokens must be >= 0 (0: sized from the KV-cache budget), "
+                              f"got {self.pool_tokens}")
         if self.separator and not self.separator.strip():
             raise ConfigError(f"graphchunk.separator must hold a non-whitespace character (or be '' for none), "
                               f"got {self.separator!r}")
@@ -110,7 +117,7 @@ class GraphChunkConfig:
             raise ConfigError(f"graphchunk.recompute*: {exc}") from None
 
     def pool_blocks(self, block_size: int) -> int:
-        """KV-cache blocks of ``block_size`` tokens that hold ``pool_tokens``."""
+        """KV-cache blocks of ``block_size`` tokens that hold ``pool_tokens`` (0 until sized)."""
         return cdiv(self.pool_tokens, block_size)
 
     @property

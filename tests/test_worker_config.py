@@ -204,3 +204,43 @@ def test_the_cuda_worker_builds_the_chunk_runner_through_its_hook(monkeypatch):
     monkeypatch.setattr(worker, "platform_worker_class", lambda: CPUWorker)
     cpu_runner = worker.make_worker_class()
     assert "init_device" in vars(cpu_runner) and "_make_model_runner" not in vars(cpu_runner)
+
+
+@pytest.mark.parametrize("pool_tokens, budget, expected, message", [
+    (0, 100 * 4096, 50, None),              # unset: half the budget, in whole blocks
+    (0, 100 * 4096 + 4095, 50, None),       # a partial block is not a block
+    (0, 30 * 4096, 20, None),               # half is below what one unit of chunk work needs: the minimum
+    (0, 20 * 4096, None, r"pool \(pool_tokens unset\) must hold .* 640 tokens, and needs 81920 bytes of KV cache "
+                         r"but the budget is 81920: raise it, or lower --max-model-len"),
+    (1000, 100 * 4096, 32, None),           # set: its own blocks, 1000 tokens in blocks of 32
+    (4096, 100 * 4096, None, r"graphchunk.pool_tokens=4096 needs 524288 bytes of KV cache but the budget is 409600"),
+])
+def test_the_pool_is_sized_inside_the_kv_cache_budget(pool_tokens, budget, expected, message):
+    from graphchunk.engine.worker import pool_blocks_in
+
+    config = GraphChunkConfig(pool_tokens=pool_tokens)
+    size = lambda: pool_blocks_in(budget, 4096, 20, config, 32, "the budget")  # noqa: E731
+    if message:
+        with pytest.raises(ConfigError, match=message):
+            size()
+    else:
+        assert size() == expected
+
+
+def test_an_unset_pool_takes_half_of_the_kv_cache_budget_at_start_up():
+    """A real engine with no graphchunk setting: the worker sizes the pool from the budget vLLM
+    resolved (vLLM's own blocks are the rest: ``determine_available_memory``)."""
+    import transformers
+
+    from graphchunk import GraphChunkLLM
+    from graphchunk.engine.worker import POOL_SHARE
+    from graphchunk.reference import models
+
+    path, budget, block_size = models.tiny_checkpoint("llama3"), 1 << 26, 32
+    hf = transformers.AutoConfig.from_pretrained(path)
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    block_bytes = block_size * 2 * hf.num_hidden_layers * hf.num_key_value_heads * head_dim * 4  # fp32 K and V
+    with GraphChunkLLM(str(path), dtype="float32", max_model_len=1024, enforce_eager=True, block_size=block_size,
+                       kv_cache_memory_bytes=budget) as llm:
+        pool_blocks = llm.stats()["pool_blocks_total"]
+    assert pool_blocks == int(budget * POOL_SHARE) // block_bytes

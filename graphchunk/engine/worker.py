@@ -13,6 +13,7 @@ their runner inside ``init_device`` with no hook, and its class is swapped right
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from graphchunk.blend.rope import hf_rope_refusal
@@ -89,12 +90,9 @@ def check_config(vllm_config, config: GraphChunkConfig) -> None:
     if config.store_path:
         prepare_directory(config.store_path)
         weights_digest(vllm_config.model_config.model, vllm_config.model_config.revision)
+    needed = min_pool_blocks(vllm_config, config)
     block_size = vllm_config.cache_config.block_size
-    from vllm.utils.math_utils import cdiv
-
-    # One unit of chunk work holds a sys prompt (up to max_model_len) and one chunk.
-    needed = cdiv(vllm_config.model_config.max_model_len, block_size) + 1 + cdiv(config.max_chunk_len, block_size)
-    if config.pool_blocks(block_size) < needed:
+    if config.pool_tokens and config.pool_blocks(block_size) < needed:
         raise ConfigError(f"graphchunk.pool_tokens={config.pool_tokens} is too small: the pool must hold a sys "
                           f"prompt of max_model_len tokens plus one chunk of max_chunk_len tokens, "
                           f"{needed * block_size} tokens at block size {block_size}")
@@ -115,9 +113,41 @@ def check_kv_cache_dtype(cache_config) -> None:
                           f"--kv-cache-dtype auto")
 
 
+POOL_SHARE = 0.5
+"""The chunk pool's share of the KV-cache budget vLLM resolved, when ``pool_tokens`` is 0 (unset)."""
+
+
+def min_pool_blocks(vllm_config, config: GraphChunkConfig) -> int:
+    """What the pool must hold at once: one unit of chunk work, a sys prompt (up to max_model_len)
+    and one chunk of max_chunk_len (units are planned one at a time)."""
+    from vllm.utils.math_utils import cdiv
+
+    block_size = vllm_config.cache_config.block_size
+    return cdiv(vllm_config.model_config.max_model_len, block_size) + 1 + cdiv(config.max_chunk_len, block_size)
+
+
+def pool_blocks_in(budget: int, block_bytes: int, min_blocks: int, config: GraphChunkConfig, block_size: int,
+                   budget_name: str) -> int:
+    """The pool's blocks out of a KV-cache budget of ``budget`` bytes: ``pool_tokens`` when set, else
+    ``POOL_SHARE`` of the budget and at least ``min_blocks``; refused when they leave vLLM nothing."""
+    if config.pool_tokens:
+        blocks = config.pool_blocks(block_size)
+        what = f"graphchunk.pool_tokens={config.pool_tokens}"
+        advice = "raise it, or lower pool_tokens"
+    else:
+        blocks = max(min_blocks, int(budget * POOL_SHARE) // block_bytes)
+        what = (f"graphchunk's chunk pool (pool_tokens unset) must hold a sys prompt of max_model_len tokens and one "
+                f"chunk of max_chunk_len, {min_blocks * block_size} tokens, and")
+        advice = "raise it, or lower --max-model-len or graphchunk.max_chunk_len"
+    if blocks * block_bytes >= budget:
+        raise ConfigError(f"{what} needs {blocks * block_bytes} bytes of KV cache but {budget_name} is {budget}: "
+                          f"{advice}")
+    return blocks
+
+
 def check_pool_fits(vllm_config, config: GraphChunkConfig) -> None:
     """With ``--kv-cache-memory-bytes`` the pool's share of the KV cache is known before a worker
-    starts (the worker checks again against what it measured, ``determine_available_memory``)."""
+    starts (the worker sizes it against what it measured, ``determine_available_memory``)."""
     cache, model = vllm_config.cache_config, vllm_config.model_config
     kv_bytes = getattr(cache, "kv_cache_memory_bytes", None)
     if not kv_bytes:
@@ -128,10 +158,8 @@ def check_pool_fits(vllm_config, config: GraphChunkConfig) -> None:
     parallel = vllm_config.parallel_config
     per_token = (2 * model.get_num_layers(parallel) * model.get_num_kv_heads(parallel) * model.get_head_size()
                  * dtype.itemsize)
-    pool_bytes = config.pool_blocks(cache.block_size) * cache.block_size * per_token
-    if pool_bytes >= kv_bytes:
-        raise ConfigError(f"graphchunk.pool_tokens={config.pool_tokens} needs {pool_bytes} bytes of KV cache but "
-                          f"--kv-cache-memory-bytes is {kv_bytes}: raise it, or lower pool_tokens")
+    pool_blocks_in(kv_bytes, cache.block_size * per_token, min_pool_blocks(vllm_config, config), config,
+                   cache.block_size, "--kv-cache-memory-bytes")
 
 
 def check_grid(vllm_config, grid: BucketGrid) -> None:
@@ -151,6 +179,20 @@ def builds_runner_by_hook(base: type) -> bool:
     from vllm.v1.worker.gpu_worker import Worker
 
     return base is Worker
+
+
+def _same_on_every_rank(blocks: int) -> int:
+    """Tensor-parallel ranks may measure different budgets; every rank's pool must be the same
+    (each plans the same steps over its own heads' share): the smallest."""
+    from vllm.distributed import get_tensor_model_parallel_world_size, get_tp_group
+
+    if get_tensor_model_parallel_world_size() == 1:
+        return blocks
+    import torch
+
+    value = torch.tensor([blocks], dtype=torch.int64)
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MIN, group=get_tp_group().cpu_group)
+    return int(value.item())
 
 
 def make_worker_class() -> type:
@@ -189,13 +231,20 @@ def make_worker_class() -> type:
             check_kv_cache_dtype(self.vllm_config.cache_config)
 
         def determine_available_memory(self) -> int:
+            """vLLM's KV-cache budget less the pool's blocks (the pool sized here when unset)."""
             available = super().determine_available_memory()
             page_bytes = sum(spec.page_size_bytes for spec in self.model_runner.get_kv_cache_spec().values())
-            pool_bytes = self.graphchunk_config.pool_blocks(self.cache_config.block_size) * page_bytes
-            if pool_bytes >= available:
-                raise ConfigError(f"graphchunk.pool_tokens={self.graphchunk_config.pool_tokens} needs {pool_bytes} "
-                                  f"bytes of KV cache but only {available} are available")
-            return available - pool_bytes
+            config, block_size = self.graphchunk_config, self.cache_config.block_size
+            blocks = _same_on_every_rank(pool_blocks_in(available, page_bytes, min_pool_blocks(self.vllm_config, config),
+                                                        config, block_size, "the KV-cache budget"))
+            if not config.pool_tokens:
+                logger.info("graphchunk: chunk pool sized to %d tokens (%d blocks, %.2f GiB): %.0f%% of the "
+                            "KV-cache budget of %.2f GiB (graphchunk.pool_tokens sets it)", blocks * block_size,
+                            blocks, blocks * page_bytes / 2**30, 100 * blocks * page_bytes / available,
+                            available / 2**30)
+                self.graphchunk_config = dataclasses.replace(config, pool_tokens=blocks * block_size)
+                self.model_runner.graphchunk_setup(self.graphchunk_config)
+            return available - blocks * page_bytes
 
         def graphchunk_templates_manifest(self) -> dict | None:
             counts = self.model_runner.chunk_engine.counts

@@ -33,7 +33,7 @@ def parse_args(argv=None):
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=1 << 30)
-    parser.add_argument("--pool-tokens", type=int, default=16384)
+    parser.add_argument("--pool-tokens", type=int, default=0, help="chunk-pool tokens (0: half the KV-cache budget)")
     parser.add_argument("--enforce-eager", action="store_true", help="as vLLM's flag: no vLLM graphs")
     return parser.parse_args(argv)
 
