@@ -14,7 +14,9 @@ separator first           empty sys (S = 0); the chunks start at position 0: the
                           word is the separator (``"## doc ## q"``, ``" ## doc ## q"``) and at
                           least one more separator counts; a leading Markdown heading with no
                           further separator (``"## Title\ntext"``) is an ordinary prompt; a sys
-                          of whitespace only is empty, its tokens open the first chunk
+                          of whitespace only is empty, its tokens open the first chunk; special
+                          tokens the tokenizer puts first (BOS) are the sys, the prompt's first
+                          word the one after them
 empty chunk               explicit boundaries: dropped (it has no tokens, nothing changes);
                           separator text (consecutive separators, or only whitespace between
                           two): its tokens join the following segment
@@ -127,10 +129,14 @@ class SeparatorSplitter:
         self.max_chunks = max_chunks
         self.max_chunk_len = max_chunk_len
         self._pieces = token_pieces(tokenizer)
+        self._special = frozenset(tokenizer.all_special_ids)
 
     def split(self, token_ids: Sequence[int]) -> SegmentedPrompt | None:
         """The segmented prompt, or None when no separator occurs (an ordinary prompt)."""
-        pieces = [self._pieces[t] for t in token_ids]
+        # Special tokens the tokenizer puts first (BOS) are not text: the prompt's first word is
+        # the one after them. They stay the sys where a separator opens the text.
+        lead = next((i for i, t in enumerate(token_ids) if t not in self._special), len(token_ids))
+        pieces = [""] * lead + [self._pieces[t] for t in token_ids[lead:]]
         text = "".join(pieces)
         occurrences = _find_all(text, self.separator)
         if not occurrences:
@@ -145,7 +151,7 @@ class SeparatorSplitter:
         def has_content(a: int, b: int) -> bool:
             return b > a and bool(content[token_starts[a]:ends[b - 1]].any())
 
-        if not has_content(0, starts[0]):  # a sys of whitespace only (``"\n## doc"``): empty, its tokens open c_1
+        if not lead and not has_content(0, starts[0]):  # a sys of whitespace only (``"\n## doc"``): empty, its tokens open c_1
             starts[0] = 0
         edges = starts + [len(pieces)]
         if not has_content(edges[-2], edges[-1]):

@@ -108,6 +108,20 @@ def test_separator_first_gives_an_empty_sys(tokenizer, splitters, lead):
     assert texts[1].strip() == "## Paris is in France." and texts[2].strip() == "## Rome is in Italy."
 
 
+@pytest.mark.parametrize("lead", ["", "\n"])
+def test_a_bos_token_before_a_leading_separator_is_the_sys(tokenizer, splitters, lead):
+    """A tokenizer that puts BOS first (Llama, Mistral, Gemma): the prompt's first word is the one
+    after it, and BOS (with any whitespace before the separator) is the sys every chunk sees."""
+    bos = tokenizer.all_special_ids[0]
+    ids = [bos] + tokenizer.encode(f"{lead}## Paris is in France. ## Rome is in Italy. ## Where?")
+    seg = splitters["##"].split(ids)
+    assert seg.layout.num_chunks == 2 and seg.sys_tokens[0] == bos
+    assert seg.layout.sys_len == 1 + len(tokenizer.encode(lead))
+    texts = segment_texts(tokenizer, seg)
+    assert texts[1].strip() == "## Paris is in France." and texts[2].strip() == "## Rome is in Italy."
+    assert splitters["##"].split([bos] + tokenizer.encode("## Title\nParis is in France.")) is None
+
+
 @pytest.mark.parametrize("text", ["## Paris is in France.", "## Title\nParis is in France.\n\n## Rome\nItaly.",
                                   "##Paris ## Where?"])
 def test_a_leading_heading_alone_stays_ordinary_or_plain_text(tokenizer, splitters, text):
