@@ -289,6 +289,10 @@ def test_metrics_are_exported(server):
     assert found["graphchunk_pool_refs_held"] == found["graphchunk_pool_blocks_leaked"] == 0
     assert found["graphchunk_pool_blocks_total"] == GC["pool_tokens"] // 32
     assert 0 < found["graphchunk_pool_utilization"] <= 1
+    # graphchunk's start-up lines reach the server's log, in vLLM's format (its logger is vLLM's child)
+    log = server.log_path.read_text(errors="replace")
+    assert f"graphchunk: chunk pool of {GC['pool_tokens'] // 32} blocks" in log, server.log_tail()
+    assert "graphchunk: persistent chunk tier at" in log, server.log_tail()
 
 
 # --- documents: the openai SDK, as a RAG client sends them ---------------------------------------

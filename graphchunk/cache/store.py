@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import os
 import struct
 import time
@@ -44,8 +43,8 @@ import xxhash
 from graphchunk.cache.host_tier import HostTier
 from graphchunk.config import ConfigError
 from graphchunk.metrics import CacheMetrics
+from graphchunk.log import logger
 
-logger = logging.getLogger("graphchunk")
 
 MAGIC = b"GCKV"
 FORMAT_VERSION = 1

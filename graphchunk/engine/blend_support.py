@@ -9,7 +9,6 @@ arrives at the worker runs as a full prefill (``runs`` is False): exactly blend'
 from __future__ import annotations
 
 import contextlib
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -17,8 +16,8 @@ import torch
 from graphchunk.blend.recompute import RecomputePolicy
 from graphchunk.blend.rope import KeyRotation
 from graphchunk.config import ConfigError, GraphChunkConfig
+from graphchunk.log import logger
 
-logger = logging.getLogger("graphchunk")
 
 
 @dataclass(frozen=True)

@@ -31,11 +31,10 @@ metadata in persistent buffers and update it per replay; graphchunk adds only th
 from __future__ import annotations
 
 import copy
-import logging
 
 from graphchunk.graphs.buckets import BucketGrid
+from graphchunk.log import logger
 
-logger = logging.getLogger("graphchunk")
 
 
 def platform_kind() -> str:

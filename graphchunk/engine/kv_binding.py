@@ -9,7 +9,6 @@ layout cannot support is refused here, at start-up.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 
 import torch
@@ -28,8 +27,8 @@ from graphchunk.engine.runner_kv import RunnerKV
 from graphchunk.graphs.bucket_counts import BucketCounts
 from graphchunk.graphs.buckets import load_grid
 from graphchunk.metrics import METRICS_FILE_ENV, CacheMetrics, MetricsPublisher
+from graphchunk.log import logger
 
-logger = logging.getLogger("graphchunk")
 
 
 def grown_kv_cache_config(vllm_config, kv_cache_config, extra: int):

@@ -14,7 +14,6 @@ their runner inside ``init_device`` with no hook, and its class is swapped right
 from __future__ import annotations
 
 import dataclasses
-import logging
 
 from graphchunk.blend.rope import hf_rope_refusal
 from graphchunk.cache.store import prepare_directory, weights_digest
@@ -23,8 +22,8 @@ from graphchunk.engine.frontend import temperature_refusal
 from graphchunk.engine.graph_config import vllm_graphs
 from graphchunk.engine.model_runner import chunk_runner_class
 from graphchunk.graphs.buckets import BucketGrid, load_grid
+from graphchunk.log import logger
 
-logger = logging.getLogger("graphchunk")
 
 
 def platform_worker_class() -> type:
