@@ -148,8 +148,14 @@ def unchunked_text(render: Render, messages: list, documents: list[dict[str, str
     rendered = render(messages, documents)
     if _uses_documents(render, messages, rendered):
         return rendered
+    return render(inlined(messages, documents), None)
+
+
+def inlined(messages: list, documents: list[dict[str, str]]) -> list:
+    """``messages`` with ``documents`` written into the last user message as graphchunk places them:
+    the ordinary chat request of the same text (for a template that ignores documents)."""
     last_user = _last_user_message(messages)
-    return render(_place(messages, last_user, documents, messages[last_user]["content"]), None)
+    return _place(messages, last_user, documents, messages[last_user]["content"])
 
 
 def place_document_parts(render: Render, messages: list, tokenizer, *, every_part: bool, max_chunks: int,

@@ -1,18 +1,21 @@
 """Main job: graphchunk behind vLLM's OpenAI server, driven by a scripted RAG client.
 
-    graphchunk-serve-demo [--dtype bfloat16] [--port 0] [--max-tokens 48]
+    graphchunk-serve-demo [--dtype auto] [--port 0] [--max-tokens 48]
 
-Starts ``vllm serve <bundled SmolLM2> --worker-cls graphchunk.Runner`` on a free loopback port,
-waits for /health, then streams three chat requests carrying the documents the way RAG clients
-send them, in the request's ``documents`` field (``[{"title": ..., "text": ...}]``, CPython's
-help topics), the question as the user's message:
+Starts the README's server, ``vllm serve <bundled SmolLM2> --worker-cls graphchunk.Runner
+--kv-cache-memory-bytes 4294967296`` (``DEMO_FLAGS``: vLLM's compilation on, the chunk pool sized
+by itself), on a free loopback port, waits for /health, then streams three chat requests carrying
+the documents the way RAG clients send them, in the request's ``documents`` field
+(``[{"title": ..., "text": ...}]``, CPython's help topics), the question as the user's message:
 
 1. the documents for the first time: every chunk is computed (misses);
 2. the same documents in another order: every chunk is reused (hits);
 3. another question over the same documents: hits again, only the question is computed.
 
-For each it prints the answer, the time to first token and what /metrics says the chunk cache
-did; then it stops the server. ``VllmServer`` is also what the server tests use.
+For each it prints graphchunk's answer, its time to first token and what /metrics says the chunk
+cache did, and beside them the model's own answer: the same messages with the documents written
+into the user message as graphchunk places them, sent as an ordinary request (full prefill) to the
+same server. Then it stops the server. ``VllmServer`` is also what the server tests use.
 """
 from __future__ import annotations
 
@@ -31,7 +34,10 @@ import urllib.request
 from pathlib import Path
 
 SERVER_FLAGS = ["--enforce-eager", "--gpu-memory-utilization", "0.3", "--kv-cache-memory-bytes", str(1 << 30)]
-"""Lean defaults for a small CPU machine (eager, 1 GiB of KV cache)."""
+"""Lean defaults for the tests' servers on a small CPU machine (eager, 1 GiB of KV cache)."""
+DEMO_FLAGS = ("--kv-cache-memory-bytes", "4294967296")
+"""The README's server command's flags: as a user runs it (vLLM's compilation on; the pool takes
+half of the 4 GiB KV-cache budget)."""
 
 SYS = "You are a Python expert. Answer the question in one or two sentences using only the documents."
 TOPICS = ("assert", "return", "global", "for", "del")
@@ -230,7 +236,8 @@ METRIC_COLUMNS = (("hits", "graphchunk_hits_total"), ("misses", "graphchunk_miss
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="graphchunk-serve-demo", description=__doc__.splitlines()[0])
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default="auto",
+                        help="auto: the model's bfloat16 where the CPU has native bf16, else float32")
     parser.add_argument("--port", type=int, default=0, help="0: a free port")
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--startup-timeout", type=float, default=900.0)
@@ -240,13 +247,15 @@ def main(argv: list[str] | None = None) -> None:
 
     model = str(models.smollm2_path())
     docs = documents()
-    server = VllmServer(model, dtype=args.dtype, port=args.port,
-                        graphchunk={"pool_tokens": 16384, "max_chunk_len": 1024},
-                        flags=[*SERVER_FLAGS, "--max-model-len", "4096"])
-    if args.dtype in ("bfloat16", "bf16") and not _native_bf16():
-        print("note: this CPU has no native bf16 (no AVX512-BF16 / AMX); vLLM emulates it and prefill "
-              "is several times slower than with --dtype float32")
+    dtype = args.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if _native_bf16() else "float32"
+        if dtype == "float32":
+            print("note: this CPU has no native bf16 (no AVX512-BF16 / AMX): vLLM would emulate it, several "
+                  "times slower, so the demo serves float32 (--dtype bfloat16 to override)")
+    server = VllmServer(model, dtype=dtype, port=args.port, flags=DEMO_FLAGS)
     print(f"$ vllm {' '.join(server.args)}")
+    print("  (vLLM's compilation is on, as you would run it: the first start compiles, a minute or two)")
     print(f"  (log: {server.log_path})", flush=True)
     server.start()
     try:
@@ -259,29 +268,7 @@ def main(argv: list[str] | None = None) -> None:
 
         took = server.wait_healthy(args.startup_timeout, progress)
         print(f"server healthy after {took:.0f} s at {server.url}\n", flush=True)
-        names = list(docs)
-        workload = [
-            ("1. first request: documents never seen (chunks miss)", names, QUESTIONS[0]),
-            ("2. same documents, reordered (chunks hit)", names[::-1], QUESTIONS[0]),
-            ("3. another question over the same documents (chunks hit)", names[2:] + names[:2], QUESTIONS[1]),
-        ]
-        print("graphchunk metrics are /metrics deltas per request: one lookup per document\n")
-        before = server.metrics()
-        for title, order, question in workload:
-            result = server.stream_chat(chat_body(model, {n: docs[n] for n in order}, question, args.max_tokens))
-            after = server.metrics()
-            delta = ", ".join(f"{label} +{after.get(key, 0) - before.get(key, 0):.0f}"
-                              for label, key in METRIC_COLUMNS)
-            print(title)
-            print(f"  documents: {', '.join(order)}")
-            print(f"  question:  {question}")
-            print(f"  answer:    {result['text'].strip()!r}")
-            ttft = f"{result['ttft'] * 1000:.0f} ms" if result["ttft"] is not None else "n/a (no text)"
-            print(f"  time to first token: {ttft} (whole answer {result['total']:.2f} s)")
-            print(f"  graphchunk metrics:  {delta}\n", flush=True)
-            before = after
-        totals = ", ".join(f"{label} {before.get(key, 0):.0f}" for label, key in METRIC_COLUMNS)
-        print(f"totals: {totals}, pool utilization {before.get('graphchunk_pool_utilization', 0):.1%}")
+        run_workload(server, model, docs, args.max_tokens)
     except BaseException:
         print(f"\nserver log (tail):\n{server.log_tail()}", file=sys.stderr)
         raise
@@ -289,6 +276,49 @@ def main(argv: list[str] | None = None) -> None:
         print("stopping the server ...", flush=True)
         code = server.stop()
         print(f"server stopped (exit code {code})")
+
+
+def run_workload(server: VllmServer, model: str, docs: dict[str, str], max_tokens: int) -> None:
+    """The three documents requests, each followed by its full-prefill twin (an ordinary request)."""
+    names = list(docs)
+    workload = [
+        ("1. first request: documents never seen (chunks miss)", names, QUESTIONS[0]),
+        ("2. same documents, reordered (chunks hit)", names[::-1], QUESTIONS[0]),
+        ("3. another question over the same documents (chunks hit)", names[2:] + names[:2], QUESTIONS[1]),
+    ]
+    print("graphchunk metrics are /metrics deltas per request: one lookup per document; the full-prefill "
+          "answer is the same text sent as an ordinary request (what the 135M model itself says)\n")
+    before = server.metrics()
+    for title, order, question in workload:
+        body = chat_body(model, {n: docs[n] for n in order}, question, max_tokens)
+        result = server.stream_chat(body)
+        after = server.metrics()
+        delta = ", ".join(f"{label} +{after.get(key, 0) - before.get(key, 0):.0f}" for label, key in METRIC_COLUMNS)
+        full = server.stream_chat(ordinary_body(body))
+        print(title)
+        print(f"  documents: {', '.join(order)}")
+        print(f"  question:  {question}")
+        print(f"  graphchunk:   {result['text'].strip()!r}")
+        print(f"  full prefill: {full['text'].strip()!r}")
+        print(f"  time to first token: graphchunk {_ms(result)}, full prefill {_ms(full)}")
+        print(f"  graphchunk metrics:  {delta}\n", flush=True)
+        before = server.metrics()
+    totals = ", ".join(f"{label} {before.get(key, 0):.0f}" for label, key in METRIC_COLUMNS)
+    print(f"totals: {totals}, pool utilization {before.get('graphchunk_pool_utilization', 0):.1%}")
+
+
+def ordinary_body(body: dict) -> dict:
+    """The documents request as an ordinary chat request: the documents written into the user
+    message as graphchunk places them, no ``documents`` field (so vLLM runs a full prefill)."""
+    from graphchunk.documents import inlined
+
+    ordinary = {key: value for key, value in body.items() if key != "documents"}
+    ordinary["messages"] = inlined(body["messages"], body["documents"])
+    return ordinary
+
+
+def _ms(result: dict) -> str:
+    return f"{result['ttft'] * 1000:.0f} ms" if result["ttft"] is not None else "n/a (no text)"
 
 
 if __name__ == "__main__":
