@@ -1,4 +1,5 @@
 # Two entry points (README): `make demo` and `make test`. Each sets up .venv first.
+# `make docs` builds the documentation site into site/ (broken links and missing pages fail it).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -6,7 +7,7 @@ STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup demo test model
+.PHONY: setup demo test model docs
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,5 +25,8 @@ model: setup
 demo: model
 	$(BIN)/graphchunk-serve-demo
 
-test: model
+test: model docs
 	$(BIN)/python -m pytest
+
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet

@@ -102,7 +102,7 @@ def precompute(llm, groups: dict[tuple[str, str], list[dict[str, str]]], documen
     return {"documents": sum(map(len, groups.values())), "seconds": time.monotonic() - start, **moved}
 
 
-def main(argv: list[str] | None = None) -> int:
+def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="graphchunk-precompute", description=__doc__.split("\n\n")[0])
     parser.add_argument("--store", required=True, help="the tier directory (graphchunk.store_path)")
     parser.add_argument("--corpus", required=True,
@@ -119,7 +119,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=1 << 30)
     parser.add_argument("--graphchunk", default="{}", help="other graphchunk settings as JSON")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
     try:
         groups = read_corpus(args.corpus, args.sys, args.mode, text_only=args.format == "segments")
         extra = json.loads(args.graphchunk)

@@ -1,0 +1,79 @@
+"""MkDocs hook: the pages' generated parts, from the code that defines them (never written twice).
+
+``<!-- settings -->`` becomes the table of ``GraphChunkConfig``'s fields (key, default, the
+field's docstring); ``<!-- metrics -->`` the table of ``graphchunk.metrics.SCHEMA`` (the name as
+/metrics exports it, its kind, its help text); ``<!-- quality: perf/results/X.json -->`` the
+table of a ``perf/bench_blend.py`` result (exact match per setting and family, its paired
+difference to full prefill, KL, all-hit TTFT). Run by ``mkdocs build`` (``mkdocs.yml``: hooks).
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import json
+import re
+from pathlib import Path
+
+from graphchunk import metrics
+from graphchunk.config import GraphChunkConfig
+
+
+def field_docs(cls) -> dict[str, str]:
+    """Each dataclass field's docstring: the string literal right after its annotated assignment."""
+    body = ast.parse(inspect.getsource(cls)).body[0].body
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
+            docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def settings_table() -> str:
+    docs = field_docs(GraphChunkConfig)
+    rows = ["| key | default | meaning |", "|---|---|---|"]
+    for f in dataclasses.fields(GraphChunkConfig):
+        rows.append(f"| `{f.name}` | `{json.dumps(f.default)}` | {_cell(docs[f.name])} |")
+    return "\n".join(rows)
+
+
+def metrics_table() -> str:
+    rows = ["| metric | kind | meaning |", "|---|---|---|"]
+    for name, (kind, help_text) in metrics.SCHEMA.items():
+        exported = f"graphchunk_{name}" + ("_total" if kind == "counter" else "")
+        rows.append(f"| `{exported}` | {kind} | {_cell(help_text)} |")
+    return "\n".join(rows)
+
+
+def _interval(ci) -> str:
+    return f"[{ci[0]:+.2f}, {ci[1]:+.2f}]"
+
+
+def quality_table(result_path: Path) -> str:
+    """A bench_blend result as a table: every setting's answers against full prefill, and its speed."""
+    result = json.loads(result_path.read_text())
+    families = list(result["rows"][0]["by_task"])
+    rows = ["| setting | exact match | EM − full prefill [95 %] | " + " | ".join(families)
+            + " | KL, continuation | all-hit TTFT ms | x full prefill |",
+            "|---" * (6 + len(families)) + "|"]
+    for r in result["rows"]:
+        per_family = " | ".join(f"{r['by_task'][f]['exact_match']:.2f}" for f in families)
+        rows.append(f"| {r['label']} | {r['exact_match']:.2f} | {r['exact_match_delta']:+.2f} "
+                    f"{_interval(r['exact_match_delta_ci'])} | {per_family} | {r['kl']:.3g} | "
+                    f"{r['ttft_ms_all_hit']:.0f} | {r['ttft_all_hit_over_full_prefill']:.2f} |")
+    return "\n".join(rows)
+
+
+REPO = Path(__file__).resolve().parents[1]
+GENERATED = {"<!-- settings -->": settings_table, "<!-- metrics -->": metrics_table}
+
+
+def on_page_markdown(markdown: str, page, config, files) -> str:
+    for marker, make in GENERATED.items():
+        if marker in markdown:
+            markdown = markdown.replace(marker, make())
+    return re.sub(r"<!-- quality: (\S+) -->", lambda m: quality_table(REPO / m.group(1)), markdown)
