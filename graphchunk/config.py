@@ -49,10 +49,12 @@ class GraphChunkConfig:
     as they are copied into a request, so the pool keeps plain keys; 1 is plain isolated mode. A
     request may override it (``graphchunk_key_temperature``). Measured in perf/results/blend_quality.json:
     0.85 and 1.15 raise KL against full prefill over 1, so 1 is the default."""
-    recompute: str = "legolink"
-    """Blend mode's default recompute policy: 'none', 'cacheblend', 'legolink' or 'question' (``blend/recompute.py``);
-    LegoLink k=15 is the README's recommendation from perf/results/blend_quality.json."""
-    recompute_ratio: float = 0.15
+    recompute: str = "question"
+    """Blend mode's default recompute policy: 'none', 'cacheblend', 'legolink' or 'question' (``blend/recompute.py``).
+    'question' at ratio 0.3 kept the most answers at no more than half of full prefill's time to first
+    token, and the lowest KL against full prefill, at ~150- and ~400-token documents
+    (perf/results/rag_quality_150.json, rag_quality_400.json; docs/quality.md)."""
+    recompute_ratio: float = 0.3
     """cacheblend, question: share of chunk tokens recomputed through every layer, in [0, 1]."""
     recompute_tokens: int = 15
     """legolink: tokens recomputed at the start of every chunk."""

@@ -60,5 +60,5 @@ def test_blend_settings():
     assert cfg.policy.describe() == "legolink:0"
     default = GraphChunkConfig()
     assert (default.recompute, default.recompute_ratio, default.recompute_tokens, default.check_layer) == \
-        ("legolink", 0.15, 15, 1)
-    assert default.policy.describe() == "legolink:15"
+        ("question", 0.3, 15, 1)
+    assert default.policy.describe() == "question:0.3"

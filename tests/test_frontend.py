@@ -131,11 +131,11 @@ COOL_CONFIG = GraphChunkConfig(max_chunks=4, max_chunk_len=64, key_temperature=0
     (COOL_CONFIG, {}, {MODE_ARG: "isolated", TEMPERATURE_ARG: 0.8}),
     (COOL_CONFIG, {TEMPERATURE_ARG: 1}, {MODE_ARG: "isolated", TEMPERATURE_ARG: 1.0}),
     (None, {MODE_ARG: "blend"},
-     {MODE_ARG: "blend", RECOMPUTE_ARG: "legolink", RATIO_ARG: 0.15, TOKENS_ARG: 15}),
+     {MODE_ARG: "blend", RECOMPUTE_ARG: "question", RATIO_ARG: 0.3, TOKENS_ARG: 15}),
     (None, {MODE_ARG: "blend", RECOMPUTE_ARG: "cacheblend", RATIO_ARG: 1},
      {MODE_ARG: "blend", RECOMPUTE_ARG: "cacheblend", RATIO_ARG: 1.0, TOKENS_ARG: 15}),
     (None, {MODE_ARG: "blend", RECOMPUTE_ARG: "legolink", TOKENS_ARG: 2},
-     {MODE_ARG: "blend", RECOMPUTE_ARG: "legolink", RATIO_ARG: 0.15, TOKENS_ARG: 2}),
+     {MODE_ARG: "blend", RECOMPUTE_ARG: "legolink", RATIO_ARG: 0.3, TOKENS_ARG: 2}),
     (BLEND_CONFIG, {}, {MODE_ARG: "blend", RECOMPUTE_ARG: "legolink", RATIO_ARG: 0.3, TOKENS_ARG: 7}),
     (BLEND_CONFIG, {RECOMPUTE_ARG: "none"}, {MODE_ARG: "blend", RECOMPUTE_ARG: "none", RATIO_ARG: 0.3, TOKENS_ARG: 7}),
     (BLEND_CONFIG, {RECOMPUTE_ARG: "cacheblend", RATIO_ARG: 0.5},
@@ -222,25 +222,28 @@ def test_key_temperature_refused_where_keys_do_not_scale_logits(tokenizer):
 
 def test_blend_salt_follows_context_and_policy(tokenizer):
     isolated = annotated(tokenizer).cache_salt
-    blend = annotated(tokenizer, **{MODE_ARG: "blend"}).cache_salt
+    lego = {MODE_ARG: "blend", RECOMPUTE_ARG: "legolink"}  # a policy whose salt leaves the question out
+    blend = annotated(tokenizer, **lego).cache_salt
     assert blend.startswith("tenant|graphchunk:") and blend != isolated
     # Identical requests (defaults resolved or spelled out) share it: prefix-cache hits stay possible.
-    assert annotated(tokenizer, **{MODE_ARG: "blend"}).cache_salt == blend
-    assert annotated(tokenizer, **{MODE_ARG: "blend", RECOMPUTE_ARG: "legolink", TOKENS_ARG: 15}).cache_salt == blend
+    assert annotated(tokenizer, **lego).cache_salt == blend
+    assert annotated(tokenizer, **lego, **{TOKENS_ARG: 15}).cache_salt == blend
+    assert annotated(tokenizer, **{MODE_ARG: "blend"}).cache_salt == \
+        annotated(tokenizer, **{MODE_ARG: "blend", RECOMPUTE_ARG: "question", RATIO_ARG: 0.3}).cache_salt
     cacheblend = {MODE_ARG: "blend", RECOMPUTE_ARG: "cacheblend"}
     assert annotated(tokenizer, **cacheblend, **{RATIO_ARG: 1}).cache_salt == \
         annotated(tokenizer, **cacheblend, **{RATIO_ARG: 1.0}).cache_salt
     # Another policy, or another parameter of the policy in use.
     others = [annotated(tokenizer, **{MODE_ARG: "blend", **extra}).cache_salt for extra in (
         {RECOMPUTE_ARG: "cacheblend"}, {RECOMPUTE_ARG: "cacheblend", RATIO_ARG: 0.5}, {RECOMPUTE_ARG: "none"},
-        {TOKENS_ARG: 8})]
+        {RECOMPUTE_ARG: "legolink", TOKENS_ARG: 8})]
     assert len({blend, isolated, *others}) == 6
     # One context token changed, anywhere in the context (here: the last chunk, after sys and
     # the first chunk, whose blocks a CacheBlend step's selection still depends on).
-    base = request(tokenizer, RAG, salt="tenant", extra_args={MODE_ARG: "blend"})
+    base = request(tokenizer, RAG, salt="tenant", extra_args=dict(lego))
     ann = RequestAnnotator(GraphChunkConfig(max_chunks=4, max_chunk_len=64), tokenizer)
     seg = ann.segment(base.prompt_token_ids, {})
-    changed = request(tokenizer, RAG, salt="tenant", extra_args={MODE_ARG: "blend"})
+    changed = request(tokenizer, RAG, salt="tenant", extra_args=dict(lego))
     at = seg.layout.context_len - 1
     changed.prompt_token_ids[at] += 1
     assert ann.segment(changed.prompt_token_ids, {}).layout == seg.layout
@@ -248,10 +251,10 @@ def test_blend_salt_follows_context_and_policy(tokenizer):
     ann.annotate(changed)
     assert base.cache_salt == blend and changed.cache_salt != blend
     # The question is not part of it: another question over the same context may reuse it.
-    longer = annotated(tokenizer, text=RAG.replace("Question?", "Another, longer question?"), **{MODE_ARG: "blend"})
+    longer = annotated(tokenizer, text=RAG.replace("Question?", "Another, longer question?"), **lego)
     assert longer.cache_salt == blend
     # The request's own salt still separates tenants.
-    other_tenant = request(tokenizer, RAG, salt="other", extra_args={MODE_ARG: "blend"})
+    other_tenant = request(tokenizer, RAG, salt="other", extra_args=dict(lego))
     ann.annotate(other_tenant)
     assert other_tenant.cache_salt != blend and other_tenant.sampling_params.extra_args[SALT_ARG] == "other"
 

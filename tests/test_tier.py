@@ -138,10 +138,11 @@ def run(llm, oracle, prompt: RagPrompt, salt: str | None = None) -> dict[str, fl
 
 def run_chat(llm, oracle, messages, documents, mode: str | None = None) -> dict[str, float]:
     """``llm.chat(messages, documents=)``: the prompt is ``place_documents``' under the model's
-    template, the output the oracle's (blend: LegoLink's with the default token count); returns
+    template, the output the oracle's (blend: LegoLink's, asked for, with the default token count); returns
     how the counters moved."""
     before = llm.stats()
-    (output,) = llm.chat(messages, sampling(), documents=documents, mode=mode)
+    (output,) = llm.chat(messages, sampling(), documents=documents, mode=mode,
+                         recompute="legolink" if mode == "blend" else None)
     after = llm.stats()
     placed = place_documents(hf_render(llm.tokenizer), messages, documents, llm.tokenizer, max_chunks=8,
                              max_chunk_len=1 << 20)
@@ -174,7 +175,8 @@ def test_a_server_started_afterwards_serves_the_corpus_from_the_tier(server_a, t
     assert (moved["tier_hits"], moved["misses"], moved["hits"]) == (3, 0, 0)
     assert moved["tier_loads"] == 4 and moved["tokens_computed"] < 20  # sys too; only the question is computed
     blend = [r["text"] for r in corpus if r.get("mode") == "blend"]
-    moved = run(server_a, tiny_oracle, RagPrompt("Be brief.", blend, QUESTION, extra={"graphchunk_mode": "blend"}))
+    legolink = {"graphchunk_mode": "blend", "graphchunk_recompute": "legolink"}  # the oracle's blend reference
+    moved = run(server_a, tiny_oracle, RagPrompt("Be brief.", blend, QUESTION, extra=legolink))
     assert (moved["tier_hits"], moved["blend_tier_hits"], moved["misses"]) == (2, 2, 0)
 
 
