@@ -42,8 +42,8 @@ import xxhash
 
 from graphchunk.cache.host_tier import HostTier
 from graphchunk.config import ConfigError
-from graphchunk.metrics import CacheMetrics
 from graphchunk.log import logger
+from graphchunk.metrics import CacheMetrics
 
 
 MAGIC = b"GCKV"

@@ -19,7 +19,6 @@ from graphchunk.config import ConfigError, GraphChunkConfig
 from graphchunk.log import logger
 
 
-
 @dataclass(frozen=True)
 class BlendSupport:
     rotation: KeyRotation | None

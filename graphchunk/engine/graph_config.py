@@ -36,7 +36,6 @@ from graphchunk.graphs.buckets import BucketGrid
 from graphchunk.log import logger
 
 
-
 def platform_kind() -> str:
     """'cuda', 'npu' or 'cpu': whose graph machinery the engine runs on."""
     from vllm.platforms import current_platform

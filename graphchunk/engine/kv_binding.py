@@ -26,9 +26,8 @@ from graphchunk.engine.chunk_engine import ChunkEngine
 from graphchunk.engine.runner_kv import RunnerKV
 from graphchunk.graphs.bucket_counts import BucketCounts
 from graphchunk.graphs.buckets import load_grid
-from graphchunk.metrics import METRICS_FILE_ENV, CacheMetrics, MetricsPublisher
 from graphchunk.log import logger
-
+from graphchunk.metrics import METRICS_FILE_ENV, CacheMetrics, MetricsPublisher
 
 
 def grown_kv_cache_config(vllm_config, kv_cache_config, extra: int):
@@ -115,17 +114,23 @@ def _tier(runner, config: GraphChunkConfig, layers, copier: KVCopier, slot_map: 
 
 def _tp_all_ranks():
     """With tensor parallelism, ``found -> every rank found`` over the TP group's CPU group."""
-    from vllm.distributed import get_tensor_model_parallel_world_size, get_tp_group
+    from vllm.distributed import get_tensor_model_parallel_world_size
 
     if get_tensor_model_parallel_world_size() == 1:
         return None
-    group = get_tp_group().cpu_group
+    return lambda found: bool(tp_min(int(found)))
 
-    def all_ranks(found: bool) -> bool:
-        flag = torch.tensor([int(found)], dtype=torch.int32)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=group)
-        return bool(flag.item())
-    return all_ranks
+
+def tp_min(value: int) -> int:
+    """The smallest of every tensor-parallel rank's ``value`` (a MIN all-reduce over the TP group's
+    CPU group; ``value`` itself without tensor parallelism)."""
+    from vllm.distributed import get_tensor_model_parallel_world_size, get_tp_group
+
+    if get_tensor_model_parallel_world_size() == 1:
+        return value
+    flag = torch.tensor([value], dtype=torch.int64)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=get_tp_group().cpu_group)
+    return int(flag.item())
 
 
 def _parallel_layout(parallel_config) -> str:

@@ -20,10 +20,10 @@ from graphchunk.cache.store import prepare_directory, weights_digest
 from graphchunk.config import ConfigError, GraphChunkConfig
 from graphchunk.engine.frontend import temperature_refusal
 from graphchunk.engine.graph_config import vllm_graphs
+from graphchunk.engine.kv_binding import tp_min
 from graphchunk.engine.model_runner import chunk_runner_class
 from graphchunk.graphs.buckets import BucketGrid, load_grid
 from graphchunk.log import logger
-
 
 
 def platform_worker_class() -> type:
@@ -180,20 +180,6 @@ def builds_runner_by_hook(base: type) -> bool:
     return base is Worker
 
 
-def _same_on_every_rank(blocks: int) -> int:
-    """Tensor-parallel ranks may measure different budgets; every rank's pool must be the same
-    (each plans the same steps over its own heads' share): the smallest."""
-    from vllm.distributed import get_tensor_model_parallel_world_size, get_tp_group
-
-    if get_tensor_model_parallel_world_size() == 1:
-        return blocks
-    import torch
-
-    value = torch.tensor([blocks], dtype=torch.int64)
-    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MIN, group=get_tp_group().cpu_group)
-    return int(value.item())
-
-
 def make_worker_class() -> type:
     base = platform_worker_class()
 
@@ -234,7 +220,9 @@ def make_worker_class() -> type:
             available = super().determine_available_memory()
             page_bytes = sum(spec.page_size_bytes for spec in self.model_runner.get_kv_cache_spec().values())
             config, block_size = self.graphchunk_config, self.cache_config.block_size
-            blocks = _same_on_every_rank(pool_blocks_in(available, page_bytes, min_pool_blocks(self.vllm_config, config),
+            # Ranks may measure different budgets; each plans the same steps over its heads' share
+            # of one pool, so every rank takes the smallest.
+            blocks = tp_min(pool_blocks_in(available, page_bytes, min_pool_blocks(self.vllm_config, config),
                                                         config, block_size, "the KV-cache budget"))
             if not config.pool_tokens:
                 logger.info("graphchunk: chunk pool sized to %d tokens (%d blocks, %.2f GiB): %.0f%% of the "
