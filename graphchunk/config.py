@@ -13,6 +13,9 @@ from graphchunk.cache.eviction import DEFAULT_POLICY, POLICIES
 from graphchunk.cache.pool import cdiv
 
 MODES = ("isolated", "blend")
+"""A request's modes (DESIGN.md §2)."""
+MODE_SETTINGS = ("auto", *MODES)
+"""The deployment's default mode: a request's mode, or 'auto' (``GraphChunkConfig.default_mode``)."""
 DOCUMENTS_FALLBACKS = ("refuse", "ordinary")
 
 
@@ -38,11 +41,15 @@ class GraphChunkConfig:
     eviction: str = DEFAULT_POLICY
     """Which unused pool entry is evicted first: 'gdsf' (hits x tokens per block, with aging), 'lfu'
     (hits, with aging) or 'lru' (``eviction.py``; measured in perf/results/eviction.json)."""
-    mode: str = "isolated"
-    """Default mode of segmented requests: 'isolated' (exact to its own semantics, DESIGN.md §2: it
-    equals the isolated reference, not full prefill, and answers differently from full prefill:
-    perf/results/oracle_quality.json) or 'blend' (approximate reuse of full prefill behind any sys
-    prompt at any offset); a request may override it (``graphchunk_mode``)."""
+    mode: str = "auto"
+    """Default mode of segmented requests: 'blend' (approximate reuse of full prefill behind any sys
+    prompt at any offset, with the ``recompute`` policy), 'isolated' (exact to its own semantics,
+    DESIGN.md §2: it equals the isolated reference, not full prefill, and answers far less often
+    than full prefill: docs/quality.md) or 'auto': blend where the model's keys can be moved (RoPE
+    of a fixed rotation per position), isolated where they cannot, said in the start-up log. Blend
+    by measurement: among the settings at no more than half of full prefill's time to first token
+    it kept the most answers (perf/results/rag_quality_150.json). A request may override it
+    (``graphchunk_mode``)."""
     key_temperature: float = 1.0
     """Isolated mode: the question's and generated tokens' attention logits to chunk tokens are divided
     by it (APE's attention temperature, with its scale S = 1/T: one softmax); applied to the chunk keys
@@ -58,6 +65,12 @@ class GraphChunkConfig:
     """cacheblend, question: share of chunk tokens recomputed through every layer, in [0, 1]."""
     recompute_tokens: int = 15
     """legolink: tokens recomputed at the start of every chunk."""
+    recompute_sinks: int = 0
+    """cacheblend, question: the first tokens of every chunk, recomputed first within the ratio's share
+    (LegoLink's sinks mixed with the ranking)."""
+    recompute_spread: str = "context"
+    """cacheblend, question: the ratio taken over a step's chunk tokens together ('context') or over
+    each chunk on its own ('chunk')."""
     check_layer: int = 1
     """cacheblend: layers [0, check_layer] are recomputed for every chunk token, and K at this layer
     ranks the tokens."""
@@ -106,8 +119,8 @@ class GraphChunkConfig:
         if self.host_bytes and not self.store_path:
             raise ConfigError("graphchunk.host_bytes is the host-memory tier in front of the persistent tier: "
                               "set graphchunk.store_path too")
-        if self.mode not in MODES:
-            raise ConfigError(f"graphchunk.mode must be one of {MODES}, got {self.mode!r}")
+        if self.mode not in MODE_SETTINGS:
+            raise ConfigError(f"graphchunk.mode must be one of {MODE_SETTINGS}, got {self.mode!r}")
         if self.documents_fallback not in DOCUMENTS_FALLBACKS:
             raise ConfigError(f"graphchunk.documents_fallback must be one of {DOCUMENTS_FALLBACKS}, "
                               f"got {self.documents_fallback!r}")
@@ -122,10 +135,18 @@ class GraphChunkConfig:
         """KV-cache blocks of ``block_size`` tokens that hold ``pool_tokens`` (0 until sized)."""
         return cdiv(self.pool_tokens, block_size)
 
+    def default_mode(self, blend_refusal: str | None) -> str:
+        """The mode of a segmented request that names none: ``mode``; for 'auto', blend unless
+        ``blend_refusal`` says why this model cannot blend (``rope.hf_rope_refusal``)."""
+        if self.mode != "auto":
+            return self.mode
+        return "isolated" if blend_refusal else "blend"
+
     @property
     def policy(self) -> RecomputePolicy:
         """The deployment's default recompute policy of blend requests."""
-        return RecomputePolicy(self.recompute, self.recompute_ratio, self.recompute_tokens)
+        return RecomputePolicy(self.recompute, self.recompute_ratio, self.recompute_tokens, self.recompute_sinks,
+                               self.recompute_spread)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None) -> "GraphChunkConfig":
@@ -152,5 +173,6 @@ def valid_key_temperature(value) -> bool:
 
 _TYPES = {"separator": str, "max_chunks": int, "max_chunk_len": int, "pool_tokens": int, "eviction": str,
           "mode": str, "key_temperature": (int, float), "templates": str, "recompute": str, "recompute_ratio": (int, float), "recompute_tokens": int,
+          "recompute_sinks": int, "recompute_spread": str,
           "check_layer": int, "store_path": str, "store_bytes": int,
           "host_bytes": int, "documents_fallback": str}

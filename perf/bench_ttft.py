@@ -81,7 +81,7 @@ def engine_setup(args, model_path: str, workload: Workload) -> EngineSetup:
                               max_num_seqs=args.max_num_seqs, kv_cache_bytes=kv_bytes, seed=args.seed,
                               enforce_eager=args.enforce_eager)
     graphchunk = dict(pool_tokens=pool_tokens, max_chunks=max(32, max(args.sweep)),
-                      max_chunk_len=max(2048, args.chunk_tokens))
+                      max_chunk_len=max(2048, args.chunk_tokens), mode="isolated")
     notes = [f"max_num_batched_tokens = max_model_len = {max_model_len} >= longest prompt {longest}: "
              "every prompt is prefilled in one step (no chunked prefill)",
              f"kv_cache_memory_bytes = {int(kv_bytes)} for both engines; graphchunk takes its pool "

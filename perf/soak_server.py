@@ -171,7 +171,7 @@ def server_flags(args) -> list[str]:
 def graphchunk_settings(args, pool_tokens: int, max_chunk_len: int, store_root: Path) -> dict:
     """graphchunk's ``--additional-config`` section."""
     gc = {"pool_tokens": pool_tokens, "max_chunks": max(32, args.docs_per_request[1]),
-          "max_chunk_len": max_chunk_len, "store_path": str(store_root)}
+          "max_chunk_len": max_chunk_len, "store_path": str(store_root), "mode": "isolated"}
     if args.store_bytes:
         gc["store_bytes"] = args.store_bytes
     if args.eviction:

@@ -81,7 +81,7 @@ def gc_llm(smollm2_path):
                         gpu_memory_utilization=0.3, kv_cache_memory_bytes=1 << 30,
                         max_num_batched_tokens=GC_LLM_MAX_BATCHED_TOKENS, block_size=GC_LLM_BLOCK_SIZE,
                         enable_prefix_caching=True,
-                        graphchunk={"pool_tokens": 8192, "templates": str(GC_LLM_TEMPLATES)})
+                        graphchunk={"pool_tokens": 8192, "templates": str(GC_LLM_TEMPLATES), "mode": "isolated"})
     try:
         yield llm
     finally:

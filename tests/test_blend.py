@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from graphchunk.blend.recompute import RecomputePolicy, cacheblend_tokens, legolink_tokens, recompute
+from graphchunk.blend.recompute import RecomputePolicy, cacheblend_tokens, legolink_tokens, recompute, select_tokens
 from graphchunk.cache.chunk_cache import ChunkCache, ScheduledPrompt
 from graphchunk.cache.keys import KeySpace
 from graphchunk.cache.pool import ChunkPool
@@ -86,6 +86,7 @@ def scheduled(seg, policy, start=0, end=None, first_block=0):
 @pytest.mark.parametrize("kwargs, message", [
     (dict(name="bogus"), "policy must be one of"), (dict(ratio=1.5), "ratio"), (dict(ratio=True), "ratio"),
     (dict(ratio="0.1"), "ratio"), (dict(tokens=-1), "tokens"), (dict(tokens=2.0), "tokens"),
+    (dict(sinks=-1), "sinks"), (dict(sinks=True), "sinks"), (dict(spread="doc"), "spread must be one of"),
 ])
 def test_bad_policies_are_named(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -99,6 +100,29 @@ def test_cacheblend_picks_the_largest_deviations_in_order():
     assert cacheblend_tokens(candidates, deviation, 0.05).tolist() == [14]  # ceil(0.5) = 1
     assert cacheblend_tokens(candidates, deviation, 0.0).tolist() == []
     assert cacheblend_tokens(candidates, deviation, 1.0).tolist() == list(range(10, 20))
+
+
+def test_sinks_and_spread_refine_the_ranking():
+    """Sinks are the first tokens of every chunk, taken first within ceil(ratio * n); spread 'chunk'
+    takes ceil(ratio * n) of every chunk's own candidates; with neither, CacheBlend's pick."""
+    spans = [(10, 14), (14, 20)]
+    candidates = np.arange(10, 20)
+    scores = np.array([0, 0, 5, 6, 0, 0, 9, 8, 7, 1.0])
+    policy = RecomputePolicy("question", 0.3)
+    assert select_tokens(candidates, scores, policy, spans).tolist() == cacheblend_tokens(candidates, scores, 0.3).tolist() \
+        == [16, 17, 18]
+    assert select_tokens(candidates, scores, RecomputePolicy("question", 0.3, sinks=1), spans).tolist() == [10, 14, 16]
+    assert select_tokens(candidates, scores, RecomputePolicy("question", 0.3, spread="chunk"), spans).tolist() \
+        == [12, 13, 16, 17]  # ceil(1.2) of the first chunk, ceil(1.8) of the second
+    assert select_tokens(candidates, scores, RecomputePolicy("question", 0.3, sinks=1, spread="chunk"),
+                         spans).tolist() == [10, 13, 14, 16]
+    # More sinks than the ratio's count: all of them. A step's candidates start mid-chunk: only its own.
+    assert select_tokens(candidates, scores, RecomputePolicy("cacheblend", 0.1, sinks=2), spans).tolist() \
+        == [10, 11, 14, 15]
+    assert select_tokens(np.arange(12, 20), scores[2:], RecomputePolicy("question", 0.25, sinks=1), spans).tolist() \
+        == [14, 16]
+    assert RecomputePolicy("question", 0.3, sinks=4, spread="chunk").describe() == "question:0.3+sinks:4/chunk"
+    assert RecomputePolicy("question", 0.3).describe() == "question:0.3"
 
 
 def test_legolink_and_runs():

@@ -16,7 +16,7 @@ import pytest
 from exactness import (BLEND_FULL, BLEND_NONE, FIRST_TOKEN_TOL, LIMITS, LOGPROB_TOL, MAX_TOKENS, Reference,
                        TextSource, assert_matches_oracle, assert_matches_reference, blend_reference,
                        measured, sampling, text_sources)  # noqa: F401
-from graphchunk.blend.recompute import cacheblend_tokens
+from graphchunk.blend.recompute import RecomputePolicy, cacheblend_tokens, select_tokens
 from graphchunk.engine.frontend import BOUNDARIES_ARG
 from graphchunk.llm import RagPrompt
 from graphchunk.segments import split_at
@@ -109,24 +109,35 @@ def test_legolink_equals_recomputing_chunk_starts_in_hf(gc_llm, oracle, docs, te
     assert delta["blend_tokens_recomputed"] == 6 * k
 
 
-def test_question_policy_recomputes_what_the_question_attends_to_in_hf(gc_llm, oracle, docs, text):
-    """The question-aware policy (r = 0.3) against HF: HF's own attention probabilities of the
-    question over the naively reused context, summed over its tokens, heads and layers, rank the
-    chunk tokens; HF recomputing exactly the top share gives the engine's tokens and logprobs. The
-    chunks are hits (moved from other positions) and the prompt fits one step."""
+@pytest.mark.parametrize("refinement", [{}, {"graphchunk_recompute_sinks": 3, "graphchunk_recompute_spread": "chunk"}])
+def test_question_policy_recomputes_what_the_question_attends_to_in_hf(gc_llm, oracle, docs, text, refinement):
+    """The question-aware policy (r = 0.3, plain and with 3 sinks per chunk and the ratio per chunk)
+    against HF: HF's own attention probabilities of the question over the naively reused context,
+    summed over its tokens, heads and layers, rank the chunk tokens; HF recomputing exactly the
+    tokens the rule picks by that ranking gives the engine's tokens and logprobs. The chunks are
+    hits (moved from other positions) and the prompt fits one step."""
     prompts = [RagPrompt(text.text(9), [docs[8], docs[2], docs[7]], text.question(9))]
     generate(gc_llm, [RagPrompt(text.text(6), [docs[7], docs[8], docs[2]], "Warm?")], BLEND_NONE)
-    policy = {"graphchunk_mode": "blend", "graphchunk_recompute": "question", "graphchunk_recompute_ratio": 0.3}
+    policy = {"graphchunk_mode": "blend", "graphchunk_recompute": "question", "graphchunk_recompute_ratio": 0.3,
+              **refinement}
     outputs, segs, delta = generate(gc_llm, prompts, policy)
     seg, lay = segs[0], segs[0].layout
     assert lay.num_tokens <= 256 and delta["blend_hits"] == 3
     chunk_tokens = np.arange(lay.sys_len, lay.context_len)
     scores = oracle.question_attention(list(seg.token_ids), lay)
-    picked = cacheblend_tokens(chunk_tokens, scores[chunk_tokens], 0.3)
+    rule = RecomputePolicy("question", 0.3, sinks=refinement.get("graphchunk_recompute_sinks", 0),
+                           spread=refinement.get("graphchunk_recompute_spread", "context"))
+    picked = select_tokens(chunk_tokens, scores[chunk_tokens], rule, seg.bounds[1:-1])
+    if not refinement:
+        assert picked.tolist() == cacheblend_tokens(chunk_tokens, scores[chunk_tokens], 0.3).tolist()
+    else:  # every chunk's first 3 tokens, and its own share
+        assert all(set(range(b, b + 3)) <= set(picked.tolist()) for b, _ in seg.bounds[1:-1])
     tokens, logprobs = oracle.blend_generate(list(seg.token_ids), lay, picked, MAX_TOKENS)
-    assert_matches_reference(outputs[0], Reference(tokens, logprobs), "question r=0.3")
+    assert_matches_reference(outputs[0], Reference(tokens, logprobs), f"question r=0.3 {refinement}")
     assert (delta["blend_tokens_recomputed"], delta["blend_tokens_scored"], delta["blend_tokens_checked"]) == \
-        (math.ceil(0.3 * len(chunk_tokens)), lay.question_len, 0)
+        (len(picked), lay.question_len, 0)
+    assert len(picked) == (math.ceil(0.3 * len(chunk_tokens)) if not refinement else
+                           sum(math.ceil(0.3 * (e - b)) for b, e in seg.bounds[1:-1]))
     # The set decides the answer's distribution: recomputing the question's least-attended tokens instead differs.
     other = cacheblend_tokens(chunk_tokens, -scores[chunk_tokens], 0.3)
     _, other_logprobs = oracle.blend_generate(list(seg.token_ids), lay, other, 1)

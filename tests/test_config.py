@@ -5,7 +5,7 @@ from graphchunk.config import ConfigError, GraphChunkConfig
 
 def test_defaults_and_section():
     cfg = GraphChunkConfig.from_additional_config({"graphchunk": {"separator": " # # ", "max_chunks": 4}})
-    assert (cfg.separator, cfg.max_chunks, cfg.mode) == (" # # ", 4, "isolated")
+    assert (cfg.separator, cfg.max_chunks, cfg.mode) == (" # # ", 4, "auto")
     assert GraphChunkConfig().eviction == "gdsf"
     assert GraphChunkConfig.from_dict({"eviction": "lru"}).eviction == "lru"
     assert GraphChunkConfig.from_additional_config(None) == GraphChunkConfig()

@@ -4,16 +4,21 @@ from types import SimpleNamespace
 import pytest
 from vllm import SamplingParams
 
+from graphchunk.blend.recompute import RecomputePolicy
 from graphchunk.config import GraphChunkConfig
-from graphchunk.engine.frontend import (BOUNDARIES_ARG, MODE_ARG, RATIO_ARG, RECOMPUTE_ARG, SALT_ARG, TEMPERATURE_ARG,
-                                        TOKENS_ARG, RequestAnnotator, chunk_request, is_graphchunk_worker,
+from graphchunk.engine.frontend import (BOUNDARIES_ARG, MODE_ARG, RATIO_ARG, RECOMPUTE_ARG, SALT_ARG, SINKS_ARG,
+                                        SPREAD_ARG, TEMPERATURE_ARG, TOKENS_ARG, RequestAnnotator, chunk_request, is_graphchunk_worker,
                                         json_boolean_problem, beam_search_problem, layout_fingerprint, resolve_mode, temperature_refusal)
 from graphchunk.segments import SegmentationError
 
 
+ISOLATED_CONFIG = GraphChunkConfig(max_chunks=4, max_chunk_len=64, mode="isolated")
+"""Most tests here are about isolated requests that name no mode: the deployment's default says isolated."""
+
+
 @pytest.fixture(scope="module")
 def annotator(tokenizer):
-    return RequestAnnotator(GraphChunkConfig(max_chunks=4, max_chunk_len=64), tokenizer)
+    return RequestAnnotator(ISOLATED_CONFIG, tokenizer)
 
 
 def request(tokenizer, text, salt=None, **params):
@@ -107,7 +112,7 @@ RAG = "Sys. ## Doc one. ## Doc two. ## Question?"
 
 
 def annotated(tokenizer, config=None, text=RAG, **extra):
-    ann = RequestAnnotator(config or GraphChunkConfig(max_chunks=4, max_chunk_len=64), tokenizer)
+    ann = RequestAnnotator(config or ISOLATED_CONFIG, tokenizer)
     req = request(tokenizer, text, salt="tenant", extra_args=extra or None)
     ann.annotate(req)
     return req
@@ -120,7 +125,7 @@ def resolved(req) -> dict:
 
 BLEND_CONFIG = GraphChunkConfig(max_chunks=4, max_chunk_len=64, mode="blend", recompute="legolink",
                                 recompute_ratio=0.3, recompute_tokens=7)
-COOL_CONFIG = GraphChunkConfig(max_chunks=4, max_chunk_len=64, key_temperature=0.8)
+COOL_CONFIG = GraphChunkConfig(max_chunks=4, max_chunk_len=64, key_temperature=0.8, mode="isolated")
 
 
 @pytest.mark.parametrize("config, extra, expected", [
@@ -160,8 +165,12 @@ def test_segmented_request_carries_the_resolved_mode_and_policy(tokenizer, confi
     (None, {MODE_ARG: "blend", TOKENS_ARG: -1}, "graphchunk_recompute_tokens must be an integer >= 0, got -1"),
     (None, {MODE_ARG: "blend", TOKENS_ARG: 2.5}, "graphchunk_recompute_tokens must be an integer >= 0, got 2.5"),
     (None, {MODE_ARG: "blend", TOKENS_ARG: False}, "graphchunk_recompute_tokens must be an integer"),
+    (None, {MODE_ARG: "blend", SINKS_ARG: -2}, "graphchunk_recompute_sinks must be an integer >= 0, got -2"),
+    (None, {MODE_ARG: "blend", SPREAD_ARG: "doc"},
+     r"graphchunk_recompute_spread must be one of \('context', 'chunk'\), got 'doc'"),
+    (None, {SPREAD_ARG: "chunk"}, "graphchunk_recompute_spread only apply to blend mode"),
     (None, {RECOMPUTE_ARG: "legolink"},
-     "graphchunk_recompute only apply to blend mode, but the deployment's default mode .* is 'isolated'"),
+     r"graphchunk_recompute only apply to blend mode, but the deployment's default mode \(graphchunk.mode='isolated'\) is 'isolated'"),
     (None, {MODE_ARG: "isolated", RATIO_ARG: 0.5, TOKENS_ARG: 3},
      "graphchunk_recompute_ratio, graphchunk_recompute_tokens only apply to blend mode, but graphchunk_mode is"),
     (BLEND_CONFIG, {MODE_ARG: "isolated", RECOMPUTE_ARG: "none"}, "graphchunk_recompute only apply to blend mode"),
@@ -192,10 +201,25 @@ def test_ordinary_request_loses_the_mode_arguments(tokenizer, config, extra):
     assert req.sampling_params.extra_args == {"other": 1} and req.cache_salt == "tenant"
 
 
+def test_sinks_and_spread_are_resolved_and_change_the_salt(tokenizer):
+    """A blend request carries its sinks and spread (defaults: none, 'context'), and a refined policy
+    gets another fingerprint than the plain one (other recomputed tokens: other KV)."""
+    plain = annotated(tokenizer, **{MODE_ARG: "blend"})
+    assert {k: plain.sampling_params.extra_args[k] for k in (SINKS_ARG, SPREAD_ARG)} == {SINKS_ARG: 0, SPREAD_ARG: "context"}
+    salts = {plain.cache_salt}
+    for extra in ({SINKS_ARG: 4}, {SPREAD_ARG: "chunk"}, {SINKS_ARG: 4, SPREAD_ARG: "chunk"}):
+        req = annotated(tokenizer, **{MODE_ARG: "blend", **extra})
+        assert {k: req.sampling_params.extra_args[k] for k in extra} == extra
+        salts.add(req.cache_salt)
+    assert len(salts) == 4
+    config = GraphChunkConfig(max_chunks=4, max_chunk_len=64, recompute_sinks=2, recompute_spread="chunk")
+    assert resolve_mode({MODE_ARG: "blend"}, config)[1] == RecomputePolicy("question", 0.3, 15, 2, "chunk")
+
+
 def test_isolated_salt_is_unchanged(tokenizer):
     for extra in ({}, {MODE_ARG: "isolated"}):
         req = annotated(tokenizer, **extra)
-        seg = RequestAnnotator(GraphChunkConfig(), tokenizer).segment(req.prompt_token_ids, {})
+        seg = RequestAnnotator(ISOLATED_CONFIG, tokenizer).segment(req.prompt_token_ids, {})
         assert req.cache_salt == f"tenant|graphchunk:{layout_fingerprint(seg)}"
     assert annotated(tokenizer, BLEND_CONFIG, **{MODE_ARG: "isolated"}).cache_salt == req.cache_salt
 
@@ -205,7 +229,7 @@ def test_key_temperature_joins_the_salt_and_reaches_the_worker(tokenizer):
     T = 1 keeps today's salt. The worker reads back the temperature the API process resolved."""
     plain, one, hot = (annotated(tokenizer, **extra) for extra in ({}, {TEMPERATURE_ARG: 1}, {TEMPERATURE_ARG: 0.7}))
     assert plain.cache_salt == one.cache_salt != hot.cache_salt
-    request = chunk_request(hot.prompt_token_ids, hot.sampling_params.extra_args, GraphChunkConfig())
+    request = chunk_request(hot.prompt_token_ids, hot.sampling_params.extra_args, ISOLATED_CONFIG)
     assert request.key_temperature == 0.7 and request.policy is None
     blend = annotated(tokenizer, COOL_CONFIG, **{MODE_ARG: "blend"})
     assert chunk_request(blend.prompt_token_ids, blend.sampling_params.extra_args, COOL_CONFIG).key_temperature == 1
@@ -214,7 +238,7 @@ def test_key_temperature_joins_the_salt_and_reaches_the_worker(tokenizer):
 def test_key_temperature_refused_where_keys_do_not_scale_logits(tokenizer):
     capped = SimpleNamespace(attn_logit_softcapping=50.0)
     assert "soft-capped" in temperature_refusal(capped) and temperature_refusal(SimpleNamespace()) is None
-    annotator = RequestAnnotator(GraphChunkConfig(), tokenizer, temperature_refusal=temperature_refusal(capped))
+    annotator = RequestAnnotator(ISOLATED_CONFIG, tokenizer, temperature_refusal=temperature_refusal(capped))
     with pytest.raises(SegmentationError, match="graphchunk_key_temperature is not available for this model"):
         annotator.annotate(request(tokenizer, RAG, extra_args={TEMPERATURE_ARG: 0.5}))
     annotator.annotate(request(tokenizer, RAG, extra_args={TEMPERATURE_ARG: 1.0}))  # T = 1 is plain isolated
@@ -241,7 +265,7 @@ def test_blend_salt_follows_context_and_policy(tokenizer):
     # One context token changed, anywhere in the context (here: the last chunk, after sys and
     # the first chunk, whose blocks a CacheBlend step's selection still depends on).
     base = request(tokenizer, RAG, salt="tenant", extra_args=dict(lego))
-    ann = RequestAnnotator(GraphChunkConfig(max_chunks=4, max_chunk_len=64), tokenizer)
+    ann = RequestAnnotator(ISOLATED_CONFIG, tokenizer)
     seg = ann.segment(base.prompt_token_ids, {})
     changed = request(tokenizer, RAG, salt="tenant", extra_args=dict(lego))
     at = seg.layout.context_len - 1
@@ -262,7 +286,7 @@ def test_blend_salt_follows_context_and_policy(tokenizer):
 def test_resolved_arguments_resolve_to_themselves(tokenizer):
     req = annotated(tokenizer, BLEND_CONFIG, **{RATIO_ARG: 0.5})
     first = resolved(req)
-    RequestAnnotator(GraphChunkConfig(), tokenizer).annotate(req)  # another default mode
+    RequestAnnotator(ISOLATED_CONFIG, tokenizer).annotate(req)  # another default mode
     assert resolved(req) == first
 
 
@@ -388,7 +412,22 @@ def test_worker_detection():
 
 
 def test_blend_requests_refused_for_a_model_whose_keys_cannot_move(tokenizer):
+    """The default mode 'auto' is isolated there (and says so when a blend argument comes alone)."""
     ann = RequestAnnotator(GraphChunkConfig(), tokenizer, blend_refusal="dynamic NTK scaling changes ...")
     with pytest.raises(SegmentationError, match="blend mode is not available for this model: dynamic NTK"):
         resolve_mode({MODE_ARG: "blend"}, ann.config, ann.blend_refusal)
     assert resolve_mode({}, ann.config, ann.blend_refusal) == ("isolated", None)
+    with pytest.raises(SegmentationError, match=r"default mode \(graphchunk.mode='auto'\) is 'isolated'"):
+        resolve_mode({RECOMPUTE_ARG: "none"}, ann.config, ann.blend_refusal)
+
+
+def test_the_default_mode_is_blend_where_the_model_can_blend(tokenizer):
+    """'auto' (the default): a segmented request naming no mode runs as blend with the default
+    policy; one naming isolated runs isolated; an explicit default mode is kept."""
+    auto = GraphChunkConfig(max_chunks=4, max_chunk_len=64)
+    assert auto.mode == "auto" and auto.default_mode(None) == "blend" and auto.default_mode("no RoPE") == "isolated"
+    assert resolved(annotated(tokenizer, auto)) == {MODE_ARG: "blend", RECOMPUTE_ARG: "question", RATIO_ARG: 0.3,
+                                                   TOKENS_ARG: 15}
+    assert resolved(annotated(tokenizer, auto, **{MODE_ARG: "isolated"})) == {MODE_ARG: "isolated",
+                                                                             TEMPERATURE_ARG: 1.0}
+    assert resolve_mode({}, ISOLATED_CONFIG)[0] == "isolated"

@@ -153,7 +153,7 @@ def flex_llm(smollm2_path):
                         block_size=BLOCK_SIZE, enable_prefix_caching=True, enforce_eager=True,
                         attention_config={"backend": gpu_style.FLEX},
                         worker_extension_cls="gpu_style.FlexAttentionOnCpu",
-                        graphchunk={"pool_tokens": 8192})
+                        graphchunk={"pool_tokens": 8192, "mode": "isolated"})
     try:
         yield llm
     finally:

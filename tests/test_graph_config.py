@@ -154,7 +154,7 @@ def test_the_cpu_grid_runs_question_steps_on_vllms_compiled_graph():
     tiny = str(models.tiny_checkpoint("llama3"))
     docs = [" ".join(["alpha beta gamma delta"] * 8), " ".join(["one two three four five"] * 6)]
     with GraphChunkLLM(tiny, dtype="float32", max_model_len=1024, kv_cache_memory_bytes=1 << 27, block_size=32,
-                       graphchunk={"pool_tokens": 4096, "templates": "cpu"}) as llm:
+                       graphchunk={"pool_tokens": 4096, "templates": "cpu", "mode": "isolated"}) as llm:
         manifest = llm.templates_manifest()
         assert manifest["backend"] == "vllm"
         assert manifest["vllm_graphs"]["compilation_mode"] == "DYNAMO_TRACE_ONCE"

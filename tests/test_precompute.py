@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from graphchunk.tools.precompute import main, read_corpus
+from graphchunk.tools.precompute import main, make_parser, precompute, read_corpus
 
 
 def write(tmp_path, lines):
@@ -39,7 +39,7 @@ def test_documents_lines_carry_their_fields_and_segments_refuses_them(tmp_path):
     ({"text": 3}, "document 1's 'text' must be a string"),
     ({"document": {"text": "a", "meta": {"page": 1}}}, "document 1's 'meta' must be a string"),
     ({"document": ["a"]}, "document 1 must be a non-empty object of strings"),
-    ({"text": "a", "mode": "fast"}, "'mode' isolated or blend"),
+    ({"text": "a", "mode": "fast"}, "'mode' one of auto, isolated, blend"),
     ({"text": "a", "sys": 3}, "'sys' must be a string"),
 ])
 def test_bad_lines_are_named(tmp_path, line, message):
@@ -53,3 +53,25 @@ def test_cli_refuses_bad_input_before_starting_an_engine(tmp_path, capsys):
     assert main(["--store", str(tmp_path / "s"), "--corpus", str(write(tmp_path, [""]))]) == 2
     assert "holds no documents" in capsys.readouterr().err
     assert main(["--store", str(tmp_path / "s"), "--corpus", str(tmp_path / "missing.jsonl")]) == 2
+
+
+def test_mode_auto_leaves_the_mode_to_the_engine(tmp_path):
+    """The default --mode is 'auto': its documents' requests name no mode, so they run in the
+    engine's default mode, as a server's with the same settings do; a named mode is sent."""
+    assert make_parser().parse_args(["--store", "s", "--corpus", "c"]).mode == "auto"
+    groups = read_corpus(write(tmp_path, [{"text": "a"}, {"text": "b", "mode": "isolated"}]), "S", "auto")
+
+    class Engine:
+        def __init__(self):
+            self.sent = []
+
+        def stats(self):
+            return dict.fromkeys(("tier_writes", "tier_bytes_written", "tier_hits", "tier_rejected",
+                                  "tier_write_errors", "misses"), 0)
+
+        def generate(self, prompts, params, use_tqdm):
+            self.sent += [(p.chunks[0], params.extra_args) for p in prompts]
+
+    engine = Engine()
+    assert precompute(engine, groups, documents=False, progress=False)["documents"] == 2
+    assert engine.sent == [("a", None), ("b", {"graphchunk_mode": "isolated"})]

@@ -17,7 +17,7 @@ from graphchunk.tools.serve_demo import SERVER_FLAGS, VllmServer
 pytestmark = pytest.mark.slow
 
 MAX_MODEL_LEN = 2048
-GC = {"pool_tokens": 8192, "max_chunks": 8, "max_chunk_len": 512, "templates": str(GC_LLM_TEMPLATES)}
+GC = {"pool_tokens": 8192, "mode": "isolated", "max_chunks": 8, "max_chunk_len": 512, "templates": str(GC_LLM_TEMPLATES)}
 """With the test session's grid: question steps counted by bucket and by how vLLM ran them."""
 MAX_TOKENS = 16
 STARTUP_TIMEOUT_S = 900  # ~40-80 s alone; much more when other engines share the 2 cores

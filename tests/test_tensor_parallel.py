@@ -44,7 +44,7 @@ def tp_llm(tp_store):
     try:
         llm = GraphChunkLLM(str(models.tiny_checkpoint("llama3")), dtype="float32", tensor_parallel_size=2,
                             max_model_len=1024, enforce_eager=True, kv_cache_memory_bytes=1 << 27,
-                            block_size=32, graphchunk={"pool_tokens": 4096, "store_path": str(tp_store)})
+                            block_size=32, graphchunk={"pool_tokens": 4096, "store_path": str(tp_store), "mode": "isolated"})
     finally:
         if saved is None:
             os.environ.pop("VLLM_CPU_OMP_THREADS_BIND")

@@ -68,7 +68,7 @@ def _precompute(tiny, store, corpus_path, *options) -> tuple[subprocess.Complete
     result = subprocess.run(
         [sys.executable, "-m", "graphchunk.tools.precompute", "--model", tiny, "--store", str(store),
          "--corpus", str(corpus_path), "--sys", SYS, "--dtype", "float32", "--block-size", "32",
-         "--max-model-len", "1024", "--kv-cache-memory-bytes", str(1 << 27), *options],
+         "--max-model-len", "1024", "--kv-cache-memory-bytes", str(1 << 27), "--mode", "isolated", *options],
         capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result, tier_files(store) - before
@@ -98,7 +98,7 @@ def precomputed_documents(tiny, store, documents_corpus, precomputed):
 def engine(tiny, store, **settings):
     from graphchunk import GraphChunkLLM
 
-    return GraphChunkLLM(tiny, graphchunk={"pool_tokens": 4096, "store_path": str(store), **settings}, **ENGINE)
+    return GraphChunkLLM(tiny, graphchunk={"pool_tokens": 4096, "store_path": str(store), "mode": "isolated", **settings}, **ENGINE)
 
 
 @pytest.fixture(scope="module")

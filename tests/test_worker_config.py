@@ -99,7 +99,7 @@ def test_unsupported_vllm_settings_are_refused_where_the_config_is_built(setting
 def test_blend_default_refuses_moving_keys_it_cannot(hf_config, reason):
     with pytest.raises(ConfigError, match=reason):
         check_config(vllm_config(hf_config=hf_config), GraphChunkConfig(pool_tokens=65536, mode="blend"))
-    check_config(vllm_config(hf_config=hf_config), GraphChunkConfig(pool_tokens=65536))  # isolated is fine
+    check_config(vllm_config(hf_config=hf_config), GraphChunkConfig(pool_tokens=65536))  # auto: isolated for this model
 
 
 def test_key_temperature_default_refused_where_keys_do_not_scale_logits():

@@ -21,6 +21,11 @@ before them. Policies:
                 (or a question longer than a forward's budget) ranks by CacheBlend's deviation
                 instead, counted in ``blend_question_fallbacks``.
 
+cacheblend and question take two refinements (``select_tokens``): ``sinks``, the first tokens of
+every chunk recomputed first, within the ratio's count (LegoLink's sinks mixed with the ranking),
+and ``spread``, the ratio taken over the step's chunk tokens together ('context': the highest scores
+wherever they are) or over each chunk's on its own ('chunk': every chunk gets its share).
+
 Ratio 1 recomputes every chunk token (exactly a full prefill); ratio 0 or ``none`` is naive reuse.
 A step selects among the chunk tokens it fills; when chunked prefill splits a context across
 steps, each step's share is selected on its own (the ratio holds per step).
@@ -35,6 +40,7 @@ import numpy as np
 from graphchunk.device import PseudoSeq, consecutive_runs, slots_of, split_forward_batches
 
 POLICIES = ("none", "cacheblend", "legolink", "question")
+SPREADS = ("context", "chunk")
 
 
 @dataclass(frozen=True)
@@ -44,6 +50,10 @@ class RecomputePolicy:
     """cacheblend, question: share of chunk tokens recomputed through every layer, in [0, 1]."""
     tokens: int = 15
     """legolink: tokens recomputed at the start of every chunk."""
+    sinks: int = 0
+    """cacheblend, question: the first tokens of every chunk, recomputed first within the ratio's count."""
+    spread: str = "context"
+    """cacheblend, question: the ratio over the step's chunk tokens together ('context') or per chunk ('chunk')."""
 
     def __post_init__(self):
         if self.name not in POLICIES:
@@ -52,6 +62,10 @@ class RecomputePolicy:
             raise ValueError(f"recompute ratio must be a number in [0, 1], got {self.ratio!r}")
         if isinstance(self.tokens, bool) or not isinstance(self.tokens, int) or self.tokens < 0:
             raise ValueError(f"recompute tokens must be an integer >= 0, got {self.tokens!r}")
+        if isinstance(self.sinks, bool) or not isinstance(self.sinks, int) or self.sinks < 0:
+            raise ValueError(f"recompute sinks must be an integer >= 0, got {self.sinks!r}")
+        if self.spread not in SPREADS:
+            raise ValueError(f"recompute spread must be one of {SPREADS}, got {self.spread!r}")
 
     @property
     def needs_check(self) -> bool:
@@ -61,7 +75,8 @@ class RecomputePolicy:
 
     def describe(self) -> str:
         if self.name in ("cacheblend", "question"):
-            return f"{self.name}:{self.ratio!r}"
+            sinks = f"+sinks:{self.sinks}" if self.sinks else ""
+            return f"{self.name}:{self.ratio!r}{sinks}" + ("/chunk" if self.spread == "chunk" else "")
         return f"legolink:{self.tokens}" if self.name == "legolink" else "none"
 
 
@@ -74,9 +89,37 @@ def legolink_tokens(chunk_spans: list[tuple[int, int]], k: int) -> np.ndarray:
 def cacheblend_tokens(candidates: np.ndarray, deviation: np.ndarray, ratio: float) -> np.ndarray:
     """The ``ceil(ratio * n)`` candidates with the largest deviation (or question attention; ties:
     the earlier token), in logical order."""
-    count = min(len(candidates), math.ceil(ratio * len(candidates) - 1e-9))
-    order = np.argsort(-np.asarray(deviation, np.float64), kind="stable")[:count]
-    return np.sort(np.asarray(candidates, np.int64)[order])
+    return _top(np.asarray(candidates, np.int64), np.asarray(deviation, np.float64), _count(ratio, len(candidates)))
+
+
+def select_tokens(candidates: np.ndarray, scores: np.ndarray, policy: RecomputePolicy,
+                  chunk_spans: list[tuple[int, int]]) -> np.ndarray:
+    """cacheblend's and question's pick among ``candidates`` (logical indices, ascending) by
+    ``scores`` (one per candidate): per group (the candidates together, or those of each chunk
+    span with spread 'chunk'), ``ceil(ratio * n)`` of its n tokens: its sinks (the first
+    ``policy.sinks`` tokens of each chunk; all of them, even past that count), then the highest
+    scores of the rest (ties: the earlier token). In logical order."""
+    candidates, scores = np.asarray(candidates, np.int64), np.asarray(scores, np.float64)
+    if policy.spread == "chunk":
+        groups = [(candidates >= b) & (candidates < e) for b, e in chunk_spans]
+    else:
+        groups = [np.ones(len(candidates), bool)]
+    sink = np.isin(candidates, legolink_tokens(chunk_spans, policy.sinks))
+    picks = [np.zeros(0, np.int64)]
+    for group in groups:
+        fixed, rest = group & sink, group & ~sink
+        count = _count(policy.ratio, int(group.sum())) - int(fixed.sum())
+        picks += [candidates[fixed], _top(candidates[rest], scores[rest], max(0, count))]
+    return np.sort(np.concatenate(picks))
+
+
+def _count(ratio: float, n: int) -> int:
+    return min(n, math.ceil(ratio * n - 1e-9))
+
+
+def _top(candidates: np.ndarray, scores: np.ndarray, count: int) -> np.ndarray:
+    order = np.argsort(-scores, kind="stable")[:count]
+    return np.sort(candidates[order])
 
 
 # --- the recompute step, over the device ------------------------------------------------------
@@ -129,7 +172,7 @@ def _check(prompts, checked, device, check_layer: int, budget: int, block_size: 
     for n, candidates in checked:
         moved = (device.read_keys(check_layer, slots[n]).float() - reused[n]).square().sum(dim=(1, 2))
         deviation = device.sum_over_ranks(moved)  # every tensor-parallel rank ranks all heads alike
-        picks[n] = cacheblend_tokens(candidates, deviation.cpu().numpy(), prompts[n].policy.ratio)
+        picks[n] = _select(prompts[n], candidates, deviation.cpu().numpy())
     return picks
 
 
@@ -152,8 +195,12 @@ def _ask(prompts, asked, device, budget: int, metrics) -> dict[int, np.ndarray]:
         used += seq.num_new
     scores += device.context_attention(batch)
     metrics.blend_tokens_scored += sum(seq.num_new for seq in seqs)
-    return {n: cacheblend_tokens(candidates, scores[i][candidates].cpu().numpy(), prompts[n].policy.ratio)
+    return {n: _select(prompts[n], candidates, scores[i][candidates].cpu().numpy())
             for i, (n, candidates) in enumerate(asked)}
+
+
+def _select(prompt, candidates: np.ndarray, scores: np.ndarray) -> np.ndarray:
+    return select_tokens(candidates, scores, prompt.policy, prompt.seg.bounds[1:-1])
 
 
 def _seq(prompt, a: int, b: int) -> PseudoSeq:

@@ -10,7 +10,7 @@ The mode (``isolated`` or ``blend``, DESIGN.md §2) and blend's recompute policy
 request through extra_args (OpenAI: ``vllm_xargs``), defaulting to the deployment's settings.
 They are validated here for every request, and a segmented request carries the *resolved*
 values to the worker (``MODE_ARG`` always; for isolated also ``TEMPERATURE_ARG``, for blend
-``RECOMPUTE_ARG``, ``RATIO_ARG``, ``TOKENS_ARG``); an ordinary request loses them (it runs as
+``POLICY_ARGS``); an ordinary request loses them (it runs as
 vanilla vLLM).
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
-from graphchunk.blend.recompute import POLICIES, RecomputePolicy
+from graphchunk.blend.recompute import POLICIES, SPREADS, RecomputePolicy
 from graphchunk.config import MODES, GraphChunkConfig, valid_key_temperature
 from graphchunk.documents import asks_for_documents
 from graphchunk.segments import SegmentationError, SegmentedPrompt, SeparatorSplitter, split_at
@@ -32,13 +32,18 @@ SALT_ARG = "graphchunk_salt"
 """extra_args key set here: what besides tokens and model sets a chunk's KV (the request's own
 cache_salt, for tenant isolation, and its LoRA adapter); part of every chunk key."""
 MODE_ARG = "graphchunk_mode"
-"""extra_args / vllm_xargs key: 'isolated' or 'blend' (default: ``graphchunk.mode``)."""
+"""extra_args / vllm_xargs key: 'isolated' or 'blend' (default: ``graphchunk.mode``, 'auto': blend where
+the model can blend)."""
 RECOMPUTE_ARG = "graphchunk_recompute"
 """blend: recompute policy, 'none', 'cacheblend', 'legolink' or 'question' (default: ``graphchunk.recompute``)."""
 RATIO_ARG = "graphchunk_recompute_ratio"
 """blend, cacheblend and question: share of chunk tokens recomputed, in [0, 1] (default: ``graphchunk.recompute_ratio``)."""
 TOKENS_ARG = "graphchunk_recompute_tokens"
 """blend, legolink: tokens recomputed at each chunk's start (default: ``graphchunk.recompute_tokens``)."""
+SINKS_ARG = "graphchunk_recompute_sinks"
+"""blend, cacheblend and question: the first tokens of each chunk recomputed within the ratio (default: ``graphchunk.recompute_sinks``)."""
+SPREAD_ARG = "graphchunk_recompute_spread"
+"""blend, cacheblend and question: the ratio over the context ('context') or per chunk ('chunk') (default: ``graphchunk.recompute_spread``)."""
 TEMPERATURE_ARG = "graphchunk_key_temperature"
 """isolated: the question's logits to chunk tokens divided by it, a number > 0 (default:
 ``graphchunk.key_temperature``)."""
@@ -48,7 +53,7 @@ counted by the worker."""
 DOCUMENTS_KEY = "graphchunk_documents"
 """Key of a rendered prompt dict (and the engine input made of it) carrying a documents request's
 ``DocumentBoundaries`` from vLLM's renderer to ``annotate`` (``document_hooks``)."""
-POLICY_ARGS = (RECOMPUTE_ARG, RATIO_ARG, TOKENS_ARG)
+POLICY_ARGS = (RECOMPUTE_ARG, RATIO_ARG, TOKENS_ARG, SINKS_ARG, SPREAD_ARG)
 MODE_ARGS = (MODE_ARG, TEMPERATURE_ARG, *POLICY_ARGS)
 GRAPHCHUNK_ARGS = (BOUNDARIES_ARG, *MODE_ARGS)
 """The keys a client may send."""
@@ -135,7 +140,7 @@ class RequestAnnotator:
             args[TEMPERATURE_ARG] = temperature
             fingerprint = layout_fingerprint(seg, temperature)
         else:
-            args.update({RECOMPUTE_ARG: policy.name, RATIO_ARG: float(policy.ratio), TOKENS_ARG: int(policy.tokens)})
+            args.update({key: getattr(policy, field) for key, field in _POLICY_FIELDS.items()})
             fingerprint = blend_fingerprint(seg, policy)
         params.extra_args = args
         request.cache_salt = f"{request.cache_salt or ''}|graphchunk:{fingerprint}"
@@ -152,12 +157,12 @@ def resolve_mode(extra_args: dict, config: GraphChunkConfig,
         if not isinstance(mode, str) or mode not in MODES:
             raise SegmentationError(f"{MODE_ARG} must be one of {MODES}, got {mode!r}")
     else:
-        mode = config.mode
+        mode = config.default_mode(blend_refusal)
     given = [key for key in POLICY_ARGS if key in extra_args]
     if mode != "blend":
         if given:
             why = (f"{MODE_ARG} is {mode!r}" if MODE_ARG in extra_args
-                   else f"the deployment's default mode (graphchunk.mode) is {mode!r}")
+                   else f"the deployment's default mode (graphchunk.mode={config.mode!r}) is {mode!r}")
             raise SegmentationError(f"{', '.join(given)} only apply to blend mode, but {why}; "
                                     f"send {MODE_ARG}: 'blend' with them")
         return mode, None
@@ -165,20 +170,21 @@ def resolve_mode(extra_args: dict, config: GraphChunkConfig,
         raise SegmentationError(f"blend mode is not available for this model: {blend_refusal}; "
                                 f"send {MODE_ARG}: 'isolated'")
     default = config.policy
-    name = extra_args.get(RECOMPUTE_ARG, default.name)
-    ratio = extra_args.get(RATIO_ARG, default.ratio)
-    tokens = extra_args.get(TOKENS_ARG, default.tokens)
+    fields = {field: extra_args.get(key, getattr(default, field)) for key, field in _POLICY_FIELDS.items()}
     # One argument at a time, so that the error names the one that is wrong.
-    for key, alone in ((RECOMPUTE_ARG, {"name": name}), (RATIO_ARG, {"ratio": ratio}),
-                       (TOKENS_ARG, {"tokens": tokens})):
+    for key, field in _POLICY_FIELDS.items():
         if key in extra_args:
             try:
-                RecomputePolicy(**alone)
+                RecomputePolicy(**{field: fields[field]})
             except ValueError as exc:
                 _, must, rest = str(exc).partition(" must ")
                 raise SegmentationError(f"{key} must {rest}" if must else f"{key}: {exc}") from None
     # ratio as a float: 1 and 1.0 are one policy (one describe(), one cache_salt).
-    return mode, RecomputePolicy(name, float(ratio), tokens)
+    return mode, RecomputePolicy(**{**fields, "ratio": float(fields["ratio"])})
+
+
+_POLICY_FIELDS = {RECOMPUTE_ARG: "name", RATIO_ARG: "ratio", TOKENS_ARG: "tokens", SINKS_ARG: "sinks",
+                  SPREAD_ARG: "spread"}
 
 
 def resolve_temperature(extra_args: dict, config: GraphChunkConfig, mode: str,
@@ -280,6 +286,8 @@ _EXPECTED = {
     RECOMPUTE_ARG: f"one of {POLICIES}",
     RATIO_ARG: "a number in [0, 1]",
     TOKENS_ARG: "an integer >= 0",
+    SINKS_ARG: "an integer >= 0",
+    SPREAD_ARG: f"one of {SPREADS}",
     TEMPERATURE_ARG: "a number > 0",
 }
 

@@ -74,11 +74,13 @@ def check_config(vllm_config, config: GraphChunkConfig) -> None:
                           "Qwen2-VL, Qwen2.5-VL, Qwen3-VL; vLLM's model_config.uses_mrope): vLLM feeds them "
                           "multi-dimensional positions (mrope_positions), while graphchunk's isolated-mode positions "
                           "and its chunk forwards are one-dimensional")
-    if config.mode == "blend":
-        refusal = hf_rope_refusal(vllm_config.model_config.hf_config)
-        if refusal:
-            raise ConfigError(f"graphchunk.mode='blend' is not available for this model: {refusal}; "
-                              f"use mode 'isolated'")
+    refusal = hf_rope_refusal(vllm_config.model_config.hf_config)
+    if config.mode == "blend" and refusal:
+        raise ConfigError(f"graphchunk.mode='blend' is not available for this model: {refusal}; "
+                          f"use mode 'isolated' (or 'auto')")
+    if config.mode == "auto":
+        logger.info("graphchunk: segmented requests default to %s mode (graphchunk.mode='auto')%s",
+                    config.default_mode(refusal), f": blend is not available for this model: {refusal}" if refusal else "")
     if config.key_temperature != 1:
         refusal = temperature_refusal(vllm_config.model_config.hf_config)
         if refusal:

@@ -1,12 +1,13 @@
 """``graphchunk-precompute``: fills a persistent chunk tier from a corpus, so a deployment starts warm.
 
-    graphchunk-precompute --store /srv/graphchunk --corpus docs.jsonl [--model PATH] [--mode blend]
+    graphchunk-precompute --store /srv/graphchunk --corpus docs.jsonl [--model PATH] [--mode isolated]
         [--sys "Answer from the documents."] [--format segments|documents] [--chat-template T]
         [--dtype bfloat16] [--block-size 128]
 
 The corpus is JSONL, one document per line: ``{"text": "...", "sys": "...", "mode": "isolated"}``,
 or ``{"document": {"title": "...", "text": "..."}, ...}`` for a documents request's document with
-more fields (``sys`` and ``mode`` optional, defaulting to ``--sys`` and ``--mode``). Each document
+more fields (``sys`` and ``mode`` optional, defaulting to ``--sys`` and ``--mode``; mode 'auto',
+the default, is the engine's default mode, as for a server with the default ``graphchunk.mode``). Each document
 is run once as a one-chunk request through a ``GraphChunkLLM`` engine whose ``store_path`` is the
 tier, with one generated token; the chunk's KV (and the sys prompt's) is written through to the
 tier, and a server started on the same directory serves it as tier hits from its first request.
@@ -32,6 +33,8 @@ import sys
 import time
 from collections import defaultdict
 from pathlib import Path
+
+from graphchunk.config import MODE_SETTINGS
 
 QUESTION = "?"
 """The one-token question each document's request ends with (its KV is never stored)."""
@@ -66,8 +69,8 @@ def read_corpus(path: str | Path, sys_prompt: str, mode: str,
                 raise ValueError(f"{where}: --format segments sends a document's text only; this one has "
                                  f"other fields (use --format documents)")
             key = (record.get("sys", sys_prompt), record.get("mode", mode))
-            if not isinstance(key[0], str) or key[1] not in ("isolated", "blend"):
-                raise ValueError(f"{where}: 'sys' must be a string and 'mode' isolated or blend")
+            if not isinstance(key[0], str) or key[1] not in MODE_SETTINGS:
+                raise ValueError(f"{where}: 'sys' must be a string and 'mode' one of {', '.join(MODE_SETTINGS)}")
             identity = (key, tuple(document.items()))
             if identity not in seen:
                 seen.add(identity)
@@ -87,7 +90,8 @@ def precompute(llm, groups: dict[tuple[str, str], list[dict[str, str]]], documen
 
     before, start = llm.stats(), time.monotonic()
     for (sys_prompt, mode), docs in groups.items():
-        params = SamplingParams(max_tokens=1, temperature=0.0, extra_args={"graphchunk_mode": mode})
+        params = SamplingParams(max_tokens=1, temperature=0.0,
+                                extra_args=None if mode == "auto" else {"graphchunk_mode": mode})
         if documents:  # vLLM's LLM.chat path, one request per document, run together below
             for doc in docs:
                 llm.llm.enqueue_chat(document_messages(sys_prompt, QUESTION), params, use_tqdm=False,
@@ -108,7 +112,8 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--corpus", required=True,
                         help="JSONL: one {\"text\" or \"document\", \"sys\"?, \"mode\"?} per line")
     parser.add_argument("--model", default=None, help="model path (default: the bundled SmolLM2)")
-    parser.add_argument("--mode", default="isolated", choices=("isolated", "blend"))
+    parser.add_argument("--mode", default="auto", choices=MODE_SETTINGS,
+                        help="the mode the server's requests run in (auto: its default, blend where the model can blend)")
     parser.add_argument("--sys", default="", help="sys prompt of documents whose line gives none")
     parser.add_argument("--format", default="segments", choices=("segments", "documents", "chat"),
                         help="the requests' form: segments, or documents (chat: the same as documents)")
