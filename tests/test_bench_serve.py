@@ -1,0 +1,120 @@
+"""The serving benchmark end to end at its ``--quick`` size (``perf/bench_serve.py``).
+
+vLLM's own ``vllm bench serve`` (through the benchmark's shim) against vanilla vLLM and graphchunk's
+isolated and blend servers on the tiny Llama checkpoint, concurrency 1 and 2, a few requests a
+pass, eager. Asserts the result file's structure and what could go wrong whatever the timings:
+every row present and every request completed, the documents arrived as documents (one chunk
+lookup each), warm passes hit more than cold ones, the precomputed tier serves the precomputed
+passes, vanilla's ceiling pass hits vLLM's prefix cache, and vanilla and graphchunk were sent the
+same prompts. No timing is asserted.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parent.parent
+TIMEOUT_S = 900  # ~3 min on 2 cores: five server starts, one precompute, 18 passes
+PHASES = {"vanilla": ("cold", "warm", "ceiling"), "isolated": ("cold", "warm", "precomputed"),
+          "blend": ("cold", "warm", "precomputed")}
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    pytest.importorskip("pandas", reason="vllm bench serve's custom dataset reads its JSONL with pandas "
+                                         "(vLLM's [bench] extra)")
+    out = tmp_path_factory.mktemp("bench-serve")
+    command = [sys.executable, str(REPO / "perf/bench_serve.py"), "--quick", "--out", str(out / "serve.json"),
+               "--plot", str(out / "serve.png"), "--work-dir", str(out / "work")]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S)
+    print(done.stdout[-4000:])
+    if not (out / "serve.json").exists():
+        pytest.fail(f"bench_serve.py exited {done.returncode} without a result\n{done.stdout[-3000:]}\n"
+                    f"{done.stderr[-3000:]}", pytrace=False)
+    found = json.loads((out / "serve.json").read_text())
+    found["_plot"] = out / "serve.png"
+    return found
+
+
+def rows_of(result, kind, phase):
+    return sorted((r for r in result["rows"] if (r["kind"], r["phase"]) == (kind, phase)),
+                  key=lambda r: r["concurrency"])
+
+
+def test_structure(result):
+    for key in ("command", "config", "model", "device", "environment", "sizes", "servers", "precompute", "checks"):
+        assert key in result
+    assert result["config"]["quick"] and result["config"]["concurrency"] == [1, 2]
+    assert result["environment"]["vllm"] and "graphchunk_commit" in result["environment"]
+    assert result["sizes"]["pool_holds_working_set"]
+    assert [s["name"] for s in result["servers"]] == ["vanilla", "isolated", "isolated-precomputed", "blend",
+                                                      "blend-precomputed"]
+    assert result["_plot"].stat().st_size > 0
+    found = {(r["kind"], r["phase"], r["concurrency"]) for r in result["rows"]}
+    assert found == {(k, p, c) for k, phases in PHASES.items() for p in phases for c in (1, 2)}
+    for row in result["rows"]:
+        assert row["request_throughput"] > 0 and row["ttft_ms"]["p50"] > 0 and row["ttft_ms"]["p99"] > 0
+        assert row["tpot_ms"]["p50"] is not None
+        if row["kind"] != "vanilla":
+            assert set(row["vs_vanilla"]) >= {"request_throughput", "output_throughput", "ttft_p50_speedup"}
+            assert set(row["gain_fraction"]) == {"request_throughput", "ttft_p50"}
+
+
+def test_every_request_completed(result):
+    for row in result["rows"]:
+        assert row["completed"] == row["num_prompts"] > 0 and row["failed"] == 0, row
+        assert row["output_tokens"] == row["num_prompts"] * result["config"]["output_len"], row  # --ignore-eos
+
+
+def test_documents_arrived_as_documents(result):
+    """A chunk lookup per document sent (the shim put them in the request's ``documents``); more
+    only where chunked prefill splits a prompt over steps (each step looks its chunks up), never at
+    concurrency 1 with these short prompts."""
+    for row in result["rows"]:
+        if row["kind"] != "vanilla":
+            assert row["cache"]["chunk_lookups"] >= row["cache"]["documents_sent"] > 0, row
+            if row["concurrency"] == 1:
+                assert row["cache"]["chunk_lookups"] == row["cache"]["documents_sent"], row
+
+
+@pytest.mark.parametrize("kind", ["isolated", "blend"])
+def test_warm_hits_more_than_cold(result, kind):
+    for cold, warm in zip(rows_of(result, kind, "cold"), rows_of(result, kind, "warm")):
+        assert warm["cache"]["chunk_hit_rate"] > cold["cache"]["chunk_hit_rate"], (cold["cache"], warm["cache"])
+
+
+@pytest.mark.parametrize("kind", ["isolated", "blend"])
+def test_precomputed_passes_hit_the_tier(result, kind):
+    """The precomputed server's first pass is its first sight of any document: every chunk it did
+    not compute came from the tier the precompute filled."""
+    first = rows_of(result, kind, "precomputed")[0]
+    assert first["cache"]["tier_hits"] > 0 and first["cache"]["chunk_misses"] == 0, first["cache"]
+    assert all(r["cache"]["tier_hits"] > 0 for r in rows_of(result, kind, "precomputed"))
+
+
+def test_ceiling_hits_the_prefix_cache(result):
+    for ceiling, warm in zip(rows_of(result, "vanilla", "ceiling"), rows_of(result, "vanilla", "warm")):
+        assert ceiling["cache"]["prefix_cache_hits"] > 0
+        assert ceiling["cache"]["prefix_cache_hit_rate"] > warm["cache"]["prefix_cache_hit_rate"]
+
+
+def test_vanilla_and_graphchunk_got_the_same_prompts(result):
+    """Same text; the counts as the two tokenizations give them (graphchunk tokenizes segment by
+    segment: at most one token fewer per document, predicted request by request)."""
+    assert result["checks"]["same_prompt_text_as_vanilla"]
+    assert result["checks"]["prompt_tokens_as_expected"]
+    k = result["config"]["docs_per_prompt"]
+    for row in result["rows"]:
+        if row["kind"] != "vanilla":
+            low, high = row["prompt_tokens_vs_vanilla"]["vanilla_minus_graphchunk"]
+            assert 0 <= low <= high <= k and row["prompt_tokens_vs_vanilla"]["as_expected"], row
+
+
+def test_every_check_passed(result):
+    assert all(ok is not False for ok in result["checks"].values()), result["checks"]
