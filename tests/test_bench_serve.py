@@ -27,8 +27,6 @@ PHASES = {"vanilla": ("cold", "warm", "ceiling"), "isolated": ("cold", "warm", "
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
-    pytest.importorskip("pandas", reason="vllm bench serve's custom dataset reads its JSONL with pandas "
-                                         "(vLLM's [bench] extra)")
     out = tmp_path_factory.mktemp("bench-serve")
     command = [sys.executable, str(REPO / "perf/bench_serve.py"), "--quick", "--out", str(out / "serve.json"),
                "--plot", str(out / "serve.png"), "--work-dir", str(out / "work")]
