@@ -284,12 +284,18 @@ def _find(rows: list[dict], kind: str, phase: str, c: int) -> dict | None:
     return next((r for r in rows if (r["kind"], r["phase"], r["concurrency"]) == (kind, phase, c)), None)
 
 
+def _vanilla_base(rows: list[dict], row: dict) -> dict | None:
+    """The vanilla row a graphchunk row compares against: the same phase and level (precomputed:
+    vanilla cold, its first sight of the documents)."""
+    return _find(rows, "vanilla", "cold" if row["phase"] == "precomputed" else row["phase"], row["concurrency"])
+
+
 def compare(rows: list[dict]) -> None:
     """Each row's ratios against vanilla's same phase and level (precomputed: vanilla cold), and
     for graphchunk's rows the gain fraction between vanilla warm (0) and the ceiling (1)."""
     for row in rows:
         c = row["concurrency"]
-        base = _find(rows, "vanilla", "cold" if row["phase"] == "precomputed" else row["phase"], c)
+        base = _vanilla_base(rows, row)
         if base is not None and row["kind"] != "vanilla":
             row["vs_vanilla"] = {"against": f"vanilla {base['phase']}",
                                  "request_throughput": H.ratio(row["request_throughput"], base["request_throughput"]),
@@ -309,7 +315,7 @@ def checks(rows: list[dict], kinds: list[str], levels) -> dict:
     ``serve_trace.expected_token_gap`` predicts from the same prompt text."""
     gaps = {(lv.concurrency, trace): g for lv in levels for trace, g in lv.token_gaps.items()}
     for row in rows:
-        base = _find(rows, "vanilla", "cold" if row["phase"] == "precomputed" else row["phase"], row["concurrency"])
+        base = _vanilla_base(rows, row)
         if row["kind"] != "vanilla" and base is not None:
             seen = [v - g for v, g in zip(base["prompt_lens"], row["prompt_lens"])]
             row["prompt_tokens_vs_vanilla"] = {"vanilla_minus_graphchunk": [min(seen), max(seen)],
@@ -338,7 +344,10 @@ def report(args, command: str, clock, model: Path, levels, rows: list[dict], ser
     argv = [row.pop("bench_argv") for row in rows][:1]
     for row in rows:
         row.pop("prompt_lens")
-    pool_tokens = args.kv_cache_bytes // 2 // H.kv_bytes_per_token(model, args.dtype)
+    from graphchunk.engine.worker import POOL_SHARE  # the worker's own sizing rule (pool_blocks_in)
+
+    block_bytes = args.block_size * H.kv_bytes_per_token(model, args.dtype)
+    pool_tokens = int(args.kv_cache_bytes * POOL_SHARE) // block_bytes * args.block_size
     working = {mode: max(T.working_set_tokens(level, mode, args.block_size) for level in levels)
                for mode in ("isolated", "blend")}
     sizes = {"levels": [{"concurrency": lv.concurrency, "documents": len(lv.docs),

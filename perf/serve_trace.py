@@ -29,6 +29,8 @@ from pathlib import Path
 
 from soak_trace import SEP, SYSTEMS, build_corpus, zipf_weights
 
+from graphchunk.cache.pool import cdiv
+
 
 @dataclass(frozen=True)
 class Request:
@@ -140,9 +142,7 @@ def precompute_corpus(levels: list[Level], mode: str) -> list[dict]:
     lines = []
     for level in levels:
         for doc in level.docs:
-            for sys_prompt in systems:
-                record = {"document": doc}
-                lines.append({**record, "sys": sys_prompt, "mode": mode})
+            lines += [{"document": doc, "sys": sys_prompt, "mode": mode} for sys_prompt in systems]
     return lines
 
 
@@ -152,5 +152,5 @@ def working_set_tokens(level: Level, mode: str, block_size: int, header_tokens: 
     margin for its start offset and ``header_tokens`` for the template text around it."""
     entries = {(req.sys if mode == "isolated" else "", d) for trace in level.traces.values()
                for req in trace for d in req.doc_ids}
-    blocks = sum(-(-(level.doc_tokens[d] + header_tokens) // block_size) + 1 for _, d in entries)
+    blocks = sum(cdiv(level.doc_tokens[d] + header_tokens, block_size) + 1 for _, d in entries)
     return blocks * block_size

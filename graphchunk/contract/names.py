@@ -575,6 +575,9 @@ def _entries() -> tuple[Name, ...]:
         add(n(module, name, "import", where, "", scope=P))
     add(n("vllm.benchmarks.datasets.datasets", "CustomDataset.sample", "patch", "perf/bench_serve.py",
           "RAG documents through vLLM's own load generator", ("tokenizer", "num_requests", "..."), scope=P))
+    for attr in ("chat_messages", "request_overrides"):  # what the patched sample sets on each request
+        add(n("vllm.benchmarks.datasets.datasets", f"SampleRequest.{attr}", "field", "perf/bench_serve.py", scope=P))
+    add(n("vllm.benchmarks.datasets.datasets", "CustomDataset.data", "attribute", "perf/bench_serve.py", scope=P))
     return tuple(entries)
 
 
