@@ -86,6 +86,12 @@ class GraphChunkConfig:
     host_bytes: int = 0
     """Budget of the host-memory tier in front of ``store_path`` (``cache/host_tier.py``; pinned on CUDA);
     0: none."""
+    miss_budget: int = 512
+    """Tokens graphchunk computes per step beside what vLLM schedules (vLLM's token budget does not
+    see them): chunk misses, a request waiting (vLLM's asynchronous KV load) while its misses are
+    computed a budget at a time, so that running requests' decode steps are never held up by more
+    than this (in a step that schedules nothing else, at least max_num_batched_tokens); and the
+    blend recompute of the all-hit requests a step admits (one at least)."""
     documents_fallback: str = "refuse"
     """A documents request graphchunk cannot chunk (a template that puts the documents after the
     question or hides them, a renderer without an HF template, more than ``max_chunks`` documents,
@@ -103,7 +109,7 @@ class GraphChunkConfig:
             object.__setattr__(self, name, float(getattr(self, name)))
         if not valid_key_temperature(self.key_temperature):
             raise ConfigError(f"graphchunk.key_temperature must be a number > 0, got {self.key_temperature!r}")
-        for name in ("max_chunks", "max_chunk_len", "store_bytes"):
+        for name in ("max_chunks", "max_chunk_len", "store_bytes", "miss_budget"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"graphchunk.{name} must be >= 1, got {getattr(self, name)}")
         if self.pool_tokens < 0:
@@ -175,4 +181,4 @@ _TYPES = {"separator": str, "max_chunks": int, "max_chunk_len": int, "pool_token
           "mode": str, "key_temperature": (int, float), "templates": str, "recompute": str, "recompute_ratio": (int, float), "recompute_tokens": int,
           "recompute_sinks": int, "recompute_spread": str,
           "check_layer": int, "store_path": str, "store_bytes": int,
-          "host_bytes": int, "documents_fallback": str}
+          "host_bytes": int, "documents_fallback": str, "miss_budget": int}

@@ -1,4 +1,4 @@
-"""What the host-side plans (``cache/chunk_cache.py``, ``blend/recompute.py``) need from the device.
+"""What the plans' run (``cache/context_run.py``, ``blend/recompute.py``) needs from the device.
 
 The engine implements ``KVDevice`` over vLLM's model runner (``engine/runner_kv.py``); tests
 implement it with fakes.

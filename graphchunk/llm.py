@@ -21,7 +21,7 @@ from graphchunk.config import GraphChunkConfig
 from graphchunk.documents import document_messages, hf_render, place_documents
 from graphchunk.engine.frontend import (BOUNDARIES_ARG, MODE_ARG, RATIO_ARG, RECOMPUTE_ARG, SINKS_ARG, SPREAD_ARG,
                                         TEMPERATURE_ARG, TOKENS_ARG)
-from graphchunk.metrics import new_metrics_file, read_published
+from graphchunk.metrics import POOL_FIELDS, new_metrics_file, read_published
 
 
 @dataclass(frozen=True)
@@ -160,13 +160,17 @@ class GraphChunkLLM:
     # --- lifecycle and metrics ----------------------------------------------------------------
 
     def stats(self) -> dict[str, float]:
-        """Chunk-cache metrics of the (first) worker."""
-        return self.llm.collective_rpc("graphchunk_stats")[0]
+        """Chunk-cache metrics of the (first) worker, and the pool's as its scheduler last published
+        them (the workers' copy is as of their last step)."""
+        stats = self.llm.collective_rpc("graphchunk_stats")[0]
+        published = read_published(self.metrics_file) or {}
+        return {**stats, **{name: published[name] for name in POOL_FIELDS if name in published}}
 
-    def reset_pool(self) -> int:
-        """Drops every cached chunk-pool entry (the persistent tier keeps its files); returns how
-        many (first worker). Call it between requests, as vLLM's ``reset_prefix_cache``."""
-        return self.llm.collective_rpc("graphchunk_reset_pool")[0]
+    def reset_pool(self) -> bool:
+        """Drops every unused chunk-pool entry (the persistent tier keeps its files), and vLLM's
+        prefix cache with it (``reset_prefix_cache(reset_connector=True)``: the pool is graphchunk's
+        KV connector's); False when vLLM refused (requests running). Call it between requests."""
+        return self.llm.reset_prefix_cache(reset_connector=True)
 
     def templates_manifest(self) -> dict | None:
         """The grid's buckets, how many cached-chunk prefills ran on vLLM's graphs in each (replayed,

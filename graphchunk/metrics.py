@@ -105,8 +105,9 @@ class CacheMetrics:
     tier_host_bytes: int = _gauge("Bytes of payloads in the host-memory tier")
     documents_unchunked: int = _counter("Documents requests graphchunk could not chunk that ran as ordinary "
                                         "prompts (documents_fallback='ordinary')")
-    pool_refs_held: int = _gauge("References held on pool entries (0 between steps)")
-    pool_blocks_leaked: int = _gauge("Pool blocks used but owned by no indexed entry (0 between steps)")
+    pool_refs_held: int = _gauge("References held on pool entries by requests waiting for their misses and by "
+                                 "miss jobs not yet run (0 when idle)")
+    pool_blocks_leaked: int = _gauge("Pool blocks used but owned by no indexed entry (0 unless something leaked)")
 
     @_derived_gauge("Used fraction of the pool")
     def pool_utilization(self) -> float:
@@ -153,6 +154,11 @@ COUNTERS = tuple(name for name, (kind, _) in SCHEMA.items() if kind == "counter"
 GAUGES = tuple(name for name, (kind, _) in SCHEMA.items() if kind == "gauge")
 FIELDS = COUNTERS + GAUGES
 """Order of the values in the shared metrics file."""
+POOL_FIELDS = ("evictions", "pool_blocks_used", "pool_blocks_total", "pool_refs_held", "pool_blocks_leaked",
+               "pool_utilization")
+"""The pool's own metrics: kept where vLLM schedules (the one pool index, ``engine/context_scheduler``)
+and published from there; every other field is the worker's."""
+WORKER_FIELDS = tuple(name for name in FIELDS if name not in POOL_FIELDS)
 
 
 # --- across processes (see the module docstring) -------------------------------------------
@@ -172,16 +178,22 @@ def new_metrics_file() -> str:
 
 
 class MetricsPublisher:
-    """Worker side: mirrors a CacheMetrics snapshot into the shared file."""
+    """Mirrors ``fields`` of a CacheMetrics snapshot into the shared file: the worker its own
+    (``WORKER_FIELDS``), the scheduler's connector the pool's (``POOL_FIELDS``), each at its place."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, fields: tuple[str, ...] = FIELDS):
+        import os
+
         import numpy as np
 
-        self.values = np.memmap(path, dtype=np.float64, mode="w+", shape=(len(FIELDS),))
+        exists = os.path.exists(path) and os.path.getsize(path) == 8 * len(FIELDS)
+        self.values = np.memmap(path, dtype=np.float64, mode="r+" if exists else "w+", shape=(len(FIELDS),))
+        self.fields = fields
+        self.index = [FIELDS.index(name) for name in fields]
 
     def publish(self, metrics: CacheMetrics) -> None:
         snapshot = metrics.snapshot()
-        self.values[:] = [snapshot[name] for name in FIELDS]
+        self.values[self.index] = [snapshot[name] for name in self.fields]
 
 
 def read_published(path: str | None = None) -> dict[str, float] | None:

@@ -136,7 +136,8 @@ def server_flags(args) -> list[str]:
     flags = ["--kv-cache-memory-bytes", str(args.kv_cache_bytes), "--block-size", str(args.block_size),
              "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(max(128, 2 * max(args.concurrency))),
              "--enable-prefix-caching", "--disable-uvicorn-access-log", "--seed", str(args.seed)]
-    return flags + ["--enforce-eager"] * args.enforce_eager
+    budget = ["--max-num-batched-tokens", str(args.max_num_batched_tokens)] if args.max_num_batched_tokens else []
+    return flags + budget + ["--enforce-eager"] * args.enforce_eager
 
 
 def start_server(args, model: Path, kind: str, work: Path, store: Path | None = None, log=print) -> VllmServer:
@@ -434,6 +435,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--enforce-eager", action="store_true", help="no vLLM compilation (quick runs only)")
     g.add_argument("--startup-timeout", type=float, default=900.0)
     g.add_argument("--kinds", type=_names, default=list(KINDS), help="server kinds (vanilla is needed for the ratios)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=0,
+                   help="vLLM's step token budget for every server (0: vLLM's default; a large one runs vanilla's "
+                        "prefills in steps of their own, its pure-decode TPOT)")
+    g.add_argument("--no-precomputed", action="store_true", help="skip the precompute and the precomputed passes")
     t = p.add_argument_group("traffic")
     t.add_argument("--format", choices=("chat", "completions"), default="chat")
     t.add_argument("--concurrency", type=_ints, default=[1, 8, 32], help="levels (--max-concurrency of a pass)")
@@ -495,7 +500,7 @@ def run(args, command: str, log=print) -> dict:
             found, server = run_kind(args, model, kind, levels, work, None, log)
             rows += found
             servers.append(server)
-            if kind == "vanilla" or args.format != "chat":  # see the module docstring
+            if kind == "vanilla" or args.format != "chat" or args.no_precomputed:  # see the module docstring
                 continue
             if precomputed is None:
                 tier.mkdir(exist_ok=True)

@@ -20,8 +20,8 @@ Times, reported and never judged (median of ``--repeats`` after a warm-up, synch
 each copy on each path in GB/s of K/V payload (layers x tokens x 2 x heads x head_size x element
 size, counted once), next to ``Tensor.copy_`` of as many contiguous bytes on the same device, and
 their ratio; ``probe_ms``; a step's host-side plan for 8 isolated-mode requests of 8 chunks
-(``step_plan.plan_step`` on a scheduler output of their prefills, then ``ChunkCache.materialize``
-of its fills over ``NullDevice``: forwards and copies left out), cold (64 misses) and warm (hits).
+(``ChunkCache.materialize`` of their prefills over ``NullDevice``: the scheduler's context plans
+and the workers' fills, forwards and copies left out), cold (64 misses) and warm (hits).
 
 It imports neither vLLM nor a graphchunk module that does (``tests/test_gpu_kv.py`` runs it with
 ``vllm`` unimportable). ``python perf/gpu_kv.py --quick``: CPU, CI sizes, seconds; without
@@ -83,12 +83,11 @@ def _hashlib_xxhash() -> str:
 KEY_HASH = _hashlib_xxhash()
 
 from graphchunk.blend.rope import KeyRotation  # noqa: E402
-from graphchunk.cache.chunk_cache import ChunkCache  # noqa: E402
+from graphchunk.cache.chunk_cache import ChunkCache, ScheduledPrompt  # noqa: E402
 from graphchunk.cache.keys import KeySpace  # noqa: E402
 from graphchunk.cache.kv_slots import KVCopier, KVSlotMap  # noqa: E402
 from graphchunk.cache.pool import ChunkPool  # noqa: E402
 from graphchunk.engine.frontend import ChunkRequest  # noqa: E402
-from graphchunk.engine.step_plan import plan_step  # noqa: E402
 from graphchunk.segments import split_at  # noqa: E402
 
 LAYOUTS = {  # vLLM's KVCacheLayout: physical order of the logical axes [L, B, H, N, C], outermost first
@@ -294,13 +293,6 @@ def run_layout(layout: str, s: Sizes, dtype, device, repeats: int, torch_gb_s: f
             "checks": checks, "bandwidth": bandwidth}
 
 
-# The fields of vLLM's SchedulerOutput (and of its new and cached requests) that plan_step reads.
-_NewReq = dataclasses.make_dataclass("NewReq", ["req_id", ("num_computed_tokens", int, 0)], frozen=True)
-_CachedReqs = dataclasses.make_dataclass("CachedReqs", ["req_ids", "num_computed_tokens"], frozen=True)
-_SchedulerOutput = dataclasses.make_dataclass("SchedulerOutput", [
-    "scheduled_new_reqs", "scheduled_cached_reqs", "num_scheduled_tokens", "total_num_scheduled_tokens"], frozen=True)
-
-
 class NullDevice:
     """A ``KVDevice`` doing nothing: what is timed is the plan's own host work."""
 
@@ -325,16 +317,16 @@ def plan_requests(num: int = 8, chunks: int = 8, sys_len: int = 64, question: in
 def time_plan(repeats: int, block_size: int = 16) -> dict:
     requests = plan_requests()
     tokens = {r: q.seg.layout.num_tokens for r, q in requests.items()}
-    so = _SchedulerOutput([_NewReq(r) for r in requests], _CachedReqs([], []), tokens, sum(tokens.values()))
     blocks = {r: list(range(i * 256, i * 256 + -(-n // block_size))) for i, (r, n) in enumerate(tokens.items())}
 
     def fresh() -> ChunkCache:
         return ChunkCache(ChunkPool(4096, block_size, first_block_id=1 << 16), KeySpace("gpu_kv", "bf16"), 8192)
 
+    prompts = [ScheduledPrompt(q.seg, q.salt, 0, q.seg.layout.num_tokens, blocks[r]) for r, q in requests.items()]
+
     def step(cache: ChunkCache) -> float:
         start = time.perf_counter()
-        plan = plan_step(so, requests, None)
-        cache.materialize([dataclasses.replace(p, block_ids=blocks[r]) for r, p in plan.fills], NullDevice())
+        cache.materialize(prompts, NullDevice())
         return time.perf_counter() - start
 
     caches = [fresh() for _ in range(repeats)]

@@ -248,22 +248,28 @@ def test_recompute_forwards_respect_the_token_budget():
 
 def test_worker_runs_blend_as_full_prefill_where_it_cannot_blend():
     """A blend request that reaches a worker whose model cannot move keys (or cannot narrow its
-    layers, for CacheBlend) gets no policy: it runs as an ordinary prompt, blend's exact target."""
+    layers, for CacheBlend) gets no policy: it runs as an ordinary prompt, blend's exact target. The
+    scheduler's connector, told what the model allows by the workers' handshake, decides alike (it
+    then loads nothing: vLLM computes the full prefill)."""
     from types import SimpleNamespace
 
     from graphchunk.config import GraphChunkConfig
     from graphchunk.engine.blend_support import BlendSupport
     from graphchunk.engine.chunk_engine import ChunkEngine
+    from graphchunk.engine.context_scheduler import PoolHandshake
+    from graphchunk.engine.frontend import chunk_request
 
     args = {"graphchunk_boundaries": [2, 5, 8], "graphchunk_mode": "blend", "graphchunk_recompute": "cacheblend",
             "graphchunk_recompute_ratio": 0.3, "graphchunk_recompute_tokens": 4}
 
     def registered(blend: BlendSupport, extra_args: dict):
-        engine = ChunkEngine(GraphChunkConfig(), None, None, None, blend)
+        engine = ChunkEngine(GraphChunkConfig(), None, None, None, blend, None, 0)
         new_req = SimpleNamespace(req_id="r", prompt_token_ids=list(range(12)),
                                   sampling_params=SimpleNamespace(extra_args=extra_args))
         engine._register(new_req)
         request = engine.requests.get("r")
+        handshake = PoolHandshake(0, 1, 4, None, blend.refusal, blend.check_refusal)
+        assert handshake.runs(chunk_request(list(range(12)), extra_args, GraphChunkConfig())) == (request is not None)
         return None if request is None else request.policy
 
     assert registered(BlendSupport(object()), args) == RecomputePolicy("cacheblend", 0.3, 4)

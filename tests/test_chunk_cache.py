@@ -117,7 +117,6 @@ def test_context_slots_hold_isolated_kv(sys_len):
     prompt = ScheduledPrompt(seg, None, 0, seg.layout.num_tokens, request_blocks(0, seg))
     cc.materialize([prompt], device)
     check_context(device, prompt)
-    assert prompt.compute_start() == seg.layout.context_len
     cc.pool.check_invariants()
     assert cc.pool.metrics.pool_blocks_used > 0 and all(e.ref_count == 0 for e in cc.pool._live)
 
@@ -191,8 +190,6 @@ def test_chunked_prefill_ranges_fill_exactly_their_slots(sys_len, chunk_lens, cu
         prompt = ScheduledPrompt(seg, None, start, end, blocks)
         cc.materialize([prompt], device)
         check_context(device, prompt)
-        own = prompt.compute_start()
-        assert start <= own < end and (own >= seg.layout.context_len or own == end - 1)
         start = end
     assert all(sum(s.num_new for s in batch) <= budget for batch in device.batches)
     cc.pool.check_invariants()

@@ -23,7 +23,8 @@ SENTINEL = 7.0
 
 def _probe_forward_writes(worker, token_ids: list[int], num_layers: int | None) -> dict:
     """Runs in the engine's worker between steps: one pseudo-sequence forward over borrowed pool
-    blocks filled with a sentinel; per layer, whether the forward wrote KV there."""
+    blocks filled with a sentinel (their KV restored afterwards); per layer, whether the forward
+    wrote KV there."""
     import numpy as np
     import torch
     from torch._dynamo.utils import counters
@@ -32,13 +33,12 @@ def _probe_forward_writes(worker, token_ids: list[int], num_layers: int | None) 
     from graphchunk.device import PseudoSeq
 
     runner = worker.model_runner
-    pool, kv = runner.chunk_engine.cache.pool, runner.chunk_engine.kv
-    needed = pool.blocks_for(len(token_ids))
-    assert pool.num_free_blocks >= needed, "the probe must not evict the session's pool entries"
-    entry = pool.insert(b"test_compiled_forward probe", (), len(token_ids))  # in use, never ready
+    pool, kv = runner.chunk_engine.pool, runner.chunk_engine.kv  # the pool's geometry; its index is the scheduler's
+    needed = -(-len(token_ids) // pool.block_size)
+    blocks = list(range(pool.first_block + pool.num_blocks - needed, pool.first_block + pool.num_blocks))
+    saved = kv.read_blocks(blocks)  # the pool's last blocks, put back as they were: no entry loses its KV
     try:
-        blocks = list(entry.block_ids)
-        kv.write_blocks(blocks, torch.full_like(kv.read_blocks(blocks), SENTINEL))
+        kv.write_blocks(blocks, torch.full_like(saved, SENTINEL))
         compiles = (compilation_counter.num_backend_compilations, counters["frames"]["total"])
         with torch.inference_mode():
             kv.prefill([PseudoSeq(token_ids, np.arange(len(token_ids)), blocks, 0)], num_layers=num_layers)
@@ -47,7 +47,7 @@ def _probe_forward_writes(worker, token_ids: list[int], num_layers: int | None) 
         untouched = [bool((layer == SENTINEL).all()) for layer in after]
         recompiled = (compilation_counter.num_backend_compilations, counters["frames"]["total"]) != compiles
     finally:
-        pool.release(entry)  # never ready: its blocks go back to the free list
+        kv.write_blocks(blocks, saved)
     return {"written": written, "untouched": untouched, "recompiled": recompiled,
             "compilation_mode": str(runner.compilation_config.mode)}
 

@@ -7,6 +7,9 @@ from graphchunk.config import ConfigError, GraphChunkConfig
 from graphchunk.engine.worker import check_config
 
 
+_GRAPHCHUNK_CONNECTOR = SimpleNamespace(kv_connector="GraphChunkConnector", has_connector=lambda name: name == "GraphChunkConnector")
+
+
 def vllm_config(**overrides):
     config = dict(use_v2_model_runner=False, pp=1, dp=1, speculative_config=None, lora_config=None, block_size=32,
                   cache_dtype="auto", max_model_len=2048, hf_config=SimpleNamespace(rope_theta=1e4))
@@ -18,6 +21,7 @@ def vllm_config(**overrides):
         speculative_config=config["speculative_config"],
         lora_config=config["lora_config"],
         cache_config=SimpleNamespace(block_size=config["block_size"], cache_dtype=config["cache_dtype"]),
+        kv_transfer_config=config.get("kv_transfer_config", _GRAPHCHUNK_CONNECTOR),
         model_config=SimpleNamespace(max_model_len=config["max_model_len"], hf_config=config["hf_config"],
                                      uses_mrope="mrope_section" in rope),  # as vLLM's ModelConfig decides
     )

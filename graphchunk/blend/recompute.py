@@ -67,6 +67,16 @@ class RecomputePolicy:
         if self.spread not in SPREADS:
             raise ValueError(f"recompute spread must be one of {SPREADS}, got {self.spread!r}")
 
+    def cost(self, chunk_lens, question_len: int) -> int:
+        """About how many tokens the policy runs through every layer for one request (its recomputed
+        tokens, and the question-aware scoring pass's question): what admitting it adds to a step."""
+        chunk_tokens = sum(chunk_lens)
+        if self.name == "legolink":
+            return sum(min(self.tokens, length) for length in chunk_lens)
+        if self.name == "none":
+            return 0
+        return round(self.ratio * chunk_tokens) + (question_len if self.name == "question" else 0)
+
     @property
     def needs_check(self) -> bool:
         """Whether selection may need the check-layer forward (cacheblend, and question's fallback,

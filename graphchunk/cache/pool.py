@@ -37,6 +37,8 @@ class PoolEntry:
     """The KV has been written; until then only the entry's creator may read it."""
     indexed: bool = True
     """False for an entry whose key collided with another's tokens: freed on its last release."""
+    job_id: int = -1
+    """The job computing it while not ready (``context_plan.py``)."""
 
 
 class ChunkPool:
@@ -55,6 +57,9 @@ class ChunkPool:
         self._evictable: dict[bytes, PoolEntry] = {}
         self._evictable_blocks = 0
         self._live: set[PoolEntry] = set()
+        self.listener = None
+        """Told of entries that became ready (``stored(entry)``) and of ready entries dropped
+        (``removed(entry)``): the KV-event stream's source (``engine/context_scheduler.py``)."""
 
     @property
     def num_free_blocks(self) -> int:
@@ -116,6 +121,8 @@ class ChunkPool:
 
     def mark_ready(self, entry: PoolEntry) -> None:
         entry.ready = True
+        if self.listener is not None and entry.indexed:
+            self.listener.stored(entry)
 
     def clear(self) -> int:
         """Drops every unused entry (an operator's reset, as vLLM's ``reset_prefix_cache``);
@@ -130,6 +137,8 @@ class ChunkPool:
         self.metrics.evictions += 1
 
     def _drop(self, entry: PoolEntry) -> None:
+        if self.listener is not None and entry.indexed and entry.ready:
+            self.listener.removed(entry)
         if entry.indexed:
             del self._index[entry.key]
             if self._evictable.pop(entry.key, None) is not None:

@@ -108,6 +108,7 @@ RKV = "graphchunk/engine/runner_kv.py"
 GC = "graphchunk/engine/graph_config.py"
 SP = "graphchunk/engine/step_plan.py"
 CE = "graphchunk/engine/chunk_engine.py"
+CN = "graphchunk/engine/connector.py"
 FE = "graphchunk/engine/frontend.py"
 BS = "graphchunk/engine/blend_support.py"
 ROPE = "graphchunk/blend/rope.py"
@@ -128,6 +129,7 @@ BT = "vllm.v1.worker.block_table"
 WU = "vllm.v1.worker.utils"
 KVI = "vllm.v1.kv_cache_interface"
 SO = "vllm.v1.core.sched.output"
+KVC = "vllm.distributed.kv_transfer.kv_connector.v1.base"
 CFG = "vllm.config"
 FC = "vllm.forward_context"
 ATT = "vllm.model_executor.layers.attention.attention"
@@ -151,8 +153,10 @@ WORKER = ("vLLM's worker classes are internal; --worker-cls only names the class
           "builds on the platform's own worker")
 CONFIG = ("vLLM's engine configuration objects are passed to workers and plugins but not documented "
           "as an interface")
-SCHED = ("the scheduler's per-step output, which graphchunk shrinks where it fills context from the "
-         "chunk pool; internal to vLLM")
+SCHED = ("the scheduler's per-step output, read to plan the step (which requests compute their question "
+         "over cached context, for the grid's counts); internal to vLLM")
+CONNECTOR = ("vLLM's KV-connector interface (experimental in vLLM: it says so when a connector starts): "
+             "graphchunk supplies segmented requests' context through it")
 REQUEST = ("the request object InputProcessor.process_inputs returns, which graphchunk annotates "
            "with its segmentation")
 RENDER = ("vLLM has no hook for how a chat request's documents are rendered; graphchunk wraps the "
@@ -187,10 +191,11 @@ def _entries() -> tuple[Name, ...]:
          (f"{GW}:Worker",), "the only point where the KV cache config is final and the cache is allocated: "
                             "graphchunk grows it by the pool's blocks and binds its engine"),
         ("execute_model", ("scheduler_output", "intermediate_tensors"), (f"{GW}:Worker",),
-         "graphchunk plans each step and hands vLLM a shrunk scheduler output"),
+         "graphchunk plans each step (its connector's context loads) before vLLM runs it"),
         ("_prepare_inputs", ("scheduler_output", "num_scheduled_tokens"), (f"{GMR}:GPUModelRunner",),
-         "the point after vLLM updated its block tables and before it builds the batch: graphchunk fills "
-         "context KV there and rewrites positions"),
+         "the point after vLLM updated (and zeroed) its blocks and before it builds the batch and its "
+         "attention metadata: graphchunk fills context KV there (its chunk forwards build attention metadata "
+         "of their own) and rewrites positions"),
         ("_determine_batch_execution_and_padding", ("num_tokens", "..."), (f"{GMR}:GPUModelRunner",),
          "where vLLM decides graph / padding / eager for a step (counted per bucket); it returns (mode, "
          "batch descriptor, ...)"),
@@ -208,25 +213,77 @@ def _entries() -> tuple[Name, ...]:
           "inside vLLM's KV budget", ()))
     add(n(GMR, "GPUModelRunner._prepare_padding_mask", "call", RKV, "the padding mask MoE routing reads, "
           "as the runner builds it for a step", ("num_tokens_unpadded", "num_tokens_padded")))
-    add(n(IB, "CachedRequestState.block_ids", "attribute", MR, RUNNER_STATE + ": a request's KV blocks"))
-    for attr in ("block_table", "req_id_to_index", "num_computed_tokens_cpu"):
+    for attr in ("req_id_to_index", "num_computed_tokens_cpu"):
         add(n(IB, f"InputBatch.{attr}", "attribute", CE, RUNNER_STATE + ": the prepared batch"))
-    add(n(BT, "MultiGroupBlockTable.__getitem__", "call", CE, RUNNER_STATE, ("idx",)))
-    add(n(BT, "BlockTable.slot_mapping", "attribute", CE, RUNNER_STATE + ": dummy tokens' KV writes are "
-          "masked there"))
-    for attr in ("np", "cpu", "gpu"):
-        add(n("vllm.v1.utils", f"CpuGpuBuffer.{attr}", "attribute", f"{MR}, {CE}", RUNNER_STATE))
+    add(n("vllm.v1.utils", "CpuGpuBuffer.np", "attribute", MR, RUNNER_STATE))
     add(n(FC, "BatchDescriptor.num_tokens", "attribute", MR, "the padded token count of a step "
           "(_determine_batch_execution_and_padding's result)"))
 
     # --- the scheduler's output (step_plan.py, chunk_engine.py) -------------------------------------
-    for attr in ("scheduled_new_reqs", "scheduled_cached_reqs", "num_scheduled_tokens",
-                 "total_num_scheduled_tokens", "finished_req_ids"):
+    for attr in ("scheduled_new_reqs", "scheduled_cached_reqs", "num_scheduled_tokens", "finished_req_ids",
+                 "kv_connector_metadata", "total_num_scheduled_tokens"):
         add(n(SO, f"SchedulerOutput.{attr}", "field", f"{SP}, {CE}", SCHED))
     for attr in ("req_id", "num_computed_tokens", "prompt_token_ids", "sampling_params"):
         add(n(SO, f"NewRequestData.{attr}", "field", f"{SP}, {CE}", SCHED))
     for attr in ("req_ids", "num_computed_tokens"):
         add(n(SO, f"CachedRequestData.{attr}", "field", SP, SCHED))
+
+    # --- the KV connector (connector.py, plugin.py, worker.py) -----------------------------------------
+    add(n(KVC, "KVConnectorBase_V1", "subclass", CN, CONNECTOR, public=True))
+    for cls in ("KVConnectorMetadata", "KVConnectorHandshakeMetadata", "KVConnectorWorkerMetadata"):
+        add(n(KVC, cls, "subclass", CN, CONNECTOR, public=True))
+    add(n(KVC, "KVConnectorRole", "import", CN, CONNECTOR, public=True))
+    add(n(KVC, "KVConnectorBase_V1.__init__", "call", CN, CONNECTOR, ("vllm_config", "role", "kv_cache_config"),
+          public=True))
+    connector_methods = (
+        ("get_num_new_matched_tokens", ("request", "num_computed_tokens")),
+        ("update_state_after_alloc", ("request", "blocks", "num_external_tokens")),
+        ("build_connector_meta", ("scheduler_output",)),
+        ("request_finished", ("request", "block_ids")),
+        ("start_load_kv", ("forward_context", "**kwargs")),
+        ("wait_for_layer_load", ("layer_name",)),
+        ("save_kv_layer", ("layer_name", "kv_layer", "attn_metadata", "**kwargs")),
+        ("wait_for_save", ()),
+        ("set_xfer_handshake_metadata", ("metadata",)),
+        ("update_connector_output", ("connector_output",)),
+        ("reset_cache", ()),
+        ("get_handshake_metadata", ()),
+        ("get_finished", ("finished_req_ids",)),
+        ("build_connector_worker_meta", ()),
+    )
+    for method, params in connector_methods:
+        add(n(KVC, f"KVConnectorBase_V1.{method}", "override", CN, CONNECTOR, params, public=True))
+    add(n(KVC, "KVConnectorWorkerMetadata.aggregate", "override", CN, CONNECTOR + " (the workers' first "
+          "unfinished job: the smallest over tensor-parallel ranks)", ("other",), public=True))
+    for attr in ("finished_recving", "kv_connector_worker_meta"):
+        add(n("vllm.v1.outputs", f"KVConnectorOutput.{attr}", "field", CN, CONNECTOR, public=True))
+    for attr in ("request_id", "prompt_token_ids", "sampling_params"):
+        add(n("vllm.v1.request", f"Request.{attr}", "attribute", CN, CONNECTOR + " (the request the scheduler "
+              "hands the connector)"))
+    add(n("vllm.v1.core.kv_cache_manager", "KVCacheBlocks.get_block_ids", "call", CN, CONNECTOR, ()))
+    add(n("vllm.distributed.kv_transfer.kv_connector.v1.multi_connector", "MultiKVConnectorMetadata.metadata",
+          "field", CN, CONNECTOR + " (graphchunk's part of MultiConnector's step metadata)"))
+    add(n(CFG, "KVTransferConfig", "import", CN, CONNECTOR, public=True))
+    add(n(CFG, "KVTransferConfig", "call", CN, CONNECTOR, ("kv_connector", "kv_connector_module_path", "kv_role"),
+          public=True))
+    add(n(CFG, "KVTransferConfig.has_connector", "call", CN, CONNECTOR, ("connector_name",)))
+    add(n(CFG, "KVTransferConfig.kv_connector", "field", CN, CONNECTOR, public=True))
+    add(n("vllm.distributed.kv_transfer.kv_connector.factory", "KVConnectorFactory", "import", CN, CONNECTOR))
+    add(n("vllm.distributed.kv_transfer.kv_connector.factory", "KVConnectorFactory.register_connector", "call",
+          CN, CONNECTOR + " (by name, so that MultiConnector's children may name it)",
+          ("name", "module_path", "class_name")))
+    CS = "graphchunk/engine/context_scheduler.py"
+    add(n(KVC, "KVConnectorBase_V1.take_events", "override", CN, CONNECTOR + " (the pool's entries on vLLM's "
+          "KV-event stream)", (), public=True))
+    for cls, params in (("BlockStored", ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
+                                         "medium", "lora_name")),
+                        ("BlockRemoved", ("block_hashes", "medium"))):
+        add(n("vllm.distributed.kv_events", cls, "import", CS, CONNECTOR + " (KV events)", public=True))
+        add(n("vllm.distributed.kv_events", cls, "call", CS, CONNECTOR + " (KV events)", params, public=True))
+    add(n("vllm.entrypoints.llm", "LLM.reset_prefix_cache", "call", LLM, "the pool is graphchunk's connector's: "
+          "GraphChunkLLM.reset_pool resets it with vLLM's prefix cache", ("reset_connector",), public=True))
+    add(n("vllm.engine.arg_utils", "EngineArgs.kv_transfer_config", "field", PL, CONFIG_HOOK + " (graphchunk sets "
+          "its connector when the user named none)"))
 
     # --- the KV cache (kv_binding.py, runner_kv.py, worker.py) ---------------------------------------
     add(n("vllm.v1.core.kv_cache_utils", "get_kv_cache_config_from_groups", "import", f"{KB}, tests/gpu_style.py",
@@ -319,7 +376,7 @@ def _entries() -> tuple[Name, ...]:
     # --- configuration objects (worker.py, plugin.py, graph_config.py, kv_binding.py) ----------------
     add(n(CFG, "VllmConfig", "import", PL, CONFIG))
     for attr in ("model_config", "cache_config", "parallel_config", "scheduler_config", "compilation_config",
-                 "speculative_config", "lora_config", "additional_config", "use_v2_model_runner"):
+                 "speculative_config", "lora_config", "additional_config", "use_v2_model_runner", "kv_transfer_config"):
         add(n(CFG, f"VllmConfig.{attr}", "attribute", f"{WK}, {PL}, {GC}", CONFIG))
     for attr in ("model", "revision", "dtype", "max_model_len", "hf_config", "uses_mrope", "enforce_eager"):
         add(n(CFG, f"ModelConfig.{attr}", "attribute", f"{WK}, {KB}, {GC}, {PL}", CONFIG))

@@ -1,18 +1,22 @@
 """``ChunkEngine``: graphchunk's state inside vLLM's model runner, one object built at start-up.
 
 The chunk-aware runner (``model_runner.py``) owns one engine, built when vLLM allocates the KV
-cache (``kv_binding.bind_engine``): the chunk cache (pool, tier, plans), the ``KVDevice`` over
-the runner's KV cache (``runner_kv.py``), what the model allows of blend mode, the grid's bucket
-counts, the metrics and their publisher, and the segmented requests the worker holds. vLLM's
-hooks call it in step order:
+cache (``kv_binding.bind_engine``): the runner of the scheduler's context plans (misses, tier,
+fills: ``cache/context_run.py``), the ``KVDevice`` over the runner's KV cache (``runner_kv.py``),
+what the model allows of blend mode, the pool's geometry (told to the scheduler once, as
+handshake metadata: ``connector.py``), the grid's bucket counts, the metrics and their publisher,
+and the segmented requests the worker holds. vLLM's hooks call it in step order:
 
-``step``              (around ``execute_model``) forgets finished requests, reads new ones, plans
-                      the step (``step_plan.py``) and holds the plan while vLLM runs it;
-``fill_context``      (``_prepare_inputs``, after vLLM updated its block tables) fills the
-                      planned context ranges from the chunk pool, computing misses first;
-``rewrite_positions`` (after vLLM prepared the shrunk batch) gives isolated requests' question and
-                      generated tokens their RoPE positions (DESIGN.md §2), and keeps dummy tokens
-                      from writing KV;
+``step``              (around ``execute_model``) forgets finished requests, reads new ones, takes
+                      the step's work from graphchunk's connector metadata (``context_scheduler``:
+                      jobs, fills, asynchronous loads), computes misses up to the step's budget
+                      (``graphchunk.miss_budget``), fills the asynchronous loads whose jobs have
+                      all run (reported loaded to vLLM through the connector), plans the step
+                      (``step_plan.py``) and holds the plan while vLLM runs the step;
+``fill_context``      (``_prepare_inputs``, after vLLM updated and zeroed its blocks) fills the
+                      context of this step's all-hit requests from the chunk pool;
+``rewrite_positions`` (after vLLM prepared the batch) gives isolated requests' question and
+                      generated tokens their RoPE positions (DESIGN.md §2);
 ``count_step``        (``_determine_batch_execution_and_padding``) counts how vLLM ran a step with a
                       cached-chunk prefill: on a graph at its size, padded, or eager.
 """
@@ -20,13 +24,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 
-from graphchunk.cache.chunk_cache import ChunkCache
+from graphchunk.cache.context_run import ContextRunner
 from graphchunk.config import GraphChunkConfig
 from graphchunk.engine.blend_support import BlendSupport
+from graphchunk.engine.connector import work_of
+from graphchunk.engine.context_scheduler import ContextLoad, PoolHandshake
 from graphchunk.engine.frontend import UNCHUNKED_ARG, ChunkRequest, chunk_request
 from graphchunk.engine.runner_kv import RunnerKV
 from graphchunk.engine.step_plan import StepPlan, plan_step
@@ -38,9 +44,12 @@ from graphchunk.metrics import CacheMetrics, MetricsPublisher
 class ChunkEngine:
     config: GraphChunkConfig
     metrics: CacheMetrics
-    cache: ChunkCache
+    runner: ContextRunner
     kv: RunnerKV
     blend: BlendSupport
+    pool: PoolHandshake
+    """The pool's geometry and key space, and what the model allows of blend mode (the handshake)."""
+    max_num_batched_tokens: int
     counts: BucketCounts | None = None
     """The grid's bucket counts (``graphchunk.templates``); None: no grid."""
     publisher: MetricsPublisher | None = None
@@ -48,16 +57,34 @@ class ChunkEngine:
     requests: dict[str, ChunkRequest] = dataclasses.field(default_factory=dict)
     plan: StepPlan | None = None
     """The plan of the step vLLM is running (inside ``step``), else None."""
+    loads: list[ContextLoad] = dataclasses.field(default_factory=list)
+    """Asynchronous loads waiting for their jobs."""
+    loaded: set[str] = dataclasses.field(default_factory=set)
+    """Requests whose asynchronous load is filled, not yet reported to vLLM."""
 
     @contextlib.contextmanager
     def step(self, so) -> Iterator[StepPlan]:
-        """Plans the step of scheduler output ``so``; vLLM runs the plan's scheduler output inside."""
+        """Runs the step's graphchunk work due before vLLM prepares scheduler output ``so``, and
+        plans the rest; vLLM runs the step inside."""
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
         for new_req in so.scheduled_new_reqs:
             self._register(new_req)
+        work = work_of(so.kv_connector_metadata)
+        self.runner.add_jobs(work.jobs)
+        self.runner.count(work.counts)
+        for name, value in work.pool_state.items():
+            if name != "pool_utilization":  # derived
+                setattr(self.metrics, name, value)
+        self.loads += work.loads
+        budget = self.config.miss_budget
+        if not so.total_num_scheduled_tokens:  # nothing else runs: the step may take as much as vLLM's
+            budget = max(budget, self.max_num_batched_tokens)
+        with torch.inference_mode():
+            self.runner.run_jobs(self.kv, budget)
+            self._complete_loads()
         choose = self.counts.choose if self.counts is not None else None
-        self.plan = plan_step(so, self.requests, choose) if self.requests else StepPlan(so)
+        self.plan = plan_step(so, work.fills, self.requests, choose)
         self.metrics.tokens_computed += self.plan.tokens_computed
         try:
             yield self.plan
@@ -74,30 +101,42 @@ class ChunkEngine:
             return  # an ordinary prompt: vLLM computes the full prefill (blend's target, too)
         self.requests[new_req.req_id] = request
 
-    def fill_context(self, block_ids_of: Callable[[str], list[int]]) -> None:
-        """Fills the plan's context ranges (``block_ids_of``: a request's KV blocks in vLLM's cache)."""
+    def _complete_loads(self) -> None:
+        done = [load for load in self.loads if load.needs < self.runner.done_before]
+        if not done:
+            return
+        self.loads = [load for load in self.loads if load.needs >= self.runner.done_before]
+        self.runner.copy([(load.prompt(), load.units) for load in done], self.kv)  # blend's recompute: when scheduled
+        self.loaded.update(load.req_id for load in done)
+
+    def fill_context(self) -> None:
+        """Fills the context of the step's all-hit requests (vLLM has updated its block tables)."""
         if self.plan is None or not self.plan.fills:
             return
-        prompts = [dataclasses.replace(prompt, block_ids=block_ids_of(req_id)) for req_id, prompt in self.plan.fills]
         with torch.inference_mode():
-            self.cache.materialize(prompts, self.kv)
+            self.runner.fill([(load.prompt(), load.units) for load in self.plan.fills], self.kv)
+
+    @property
+    def done_before(self) -> int:
+        return self.runner.done_before
+
+    def take_loaded(self) -> set[str]:
+        loaded, self.loaded = self.loaded, set()
+        return loaded
+
+    def handshake(self) -> PoolHandshake:
+        return self.pool
 
     def rewrite_positions(self, batch, query_start, positions: torch.Tensor) -> None:
         """On vLLM's prepared batch: ``query_start`` its requests' token offsets, ``positions`` its
         persistent position buffer."""
         if not self.requests:
             return
-        dummies = self.plan.dummies if self.plan is not None else frozenset()
-        slot_mapping = batch.block_table[0].slot_mapping
         for req_id, index in batch.req_id_to_index.items():
             request = self.requests.get(req_id)
             if request is None:
                 continue
             begin, end = int(query_start[index]), int(query_start[index + 1])
-            if req_id in dummies:  # its KV was copied in; keep the recomputed token from overwriting it
-                slot_mapping.cpu[begin:end] = -1
-                slot_mapping.gpu[begin:end] = -1
-                continue
             if request.policy is not None:  # blend: ordinary positions
                 continue
             layout = request.seg.layout
@@ -114,16 +153,11 @@ class ChunkEngine:
 
     def publish(self) -> None:
         """After each step, in a process that exports its metrics (a metrics file is named,
-        ``metrics.METRICS_FILE_ENV``: the API server's, or a GraphChunkLLM's): audits the pool, a
-        walk over its entries every step, and publishes the counters."""
+        ``metrics.METRICS_FILE_ENV``: the API server's, or a GraphChunkLLM's): publishes the
+        counters (the pool's own as of the step's metadata)."""
         if self.publisher is not None:
-            self.cache.pool.audit()
             self.publisher.publish(self.metrics)
 
     def stats(self) -> dict[str, float]:
-        self.cache.pool.audit()
         return self.metrics.snapshot()
 
-    def reset_pool(self) -> int:
-        """Drops every cached pool entry (between steps none is in use); the tier keeps its files."""
-        return self.cache.pool.clear()

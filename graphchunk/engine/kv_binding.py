@@ -14,20 +14,21 @@ import os
 import torch
 import xxhash
 
-from graphchunk.cache.chunk_cache import ChunkCache
+from graphchunk.cache.context_run import ContextRunner
 from graphchunk.cache.host_tier import HostTier
 from graphchunk.cache.keys import KeySpace
 from graphchunk.cache.kv_slots import KVCopier, KVSlotMap
-from graphchunk.cache.pool import ChunkPool
 from graphchunk.cache.store import ChunkStore, StoreIdentity, weights_digest
 from graphchunk.config import ConfigError, GraphChunkConfig
 from graphchunk.engine.blend_support import BlendSupport
 from graphchunk.engine.chunk_engine import ChunkEngine
+from graphchunk.engine.connector import WORKER
+from graphchunk.engine.context_scheduler import PoolHandshake
 from graphchunk.engine.runner_kv import RunnerKV
 from graphchunk.graphs.bucket_counts import BucketCounts
 from graphchunk.graphs.buckets import load_grid
 from graphchunk.log import logger
-from graphchunk.metrics import METRICS_FILE_ENV, CacheMetrics, MetricsPublisher
+from graphchunk.metrics import METRICS_FILE_ENV, WORKER_FIELDS, CacheMetrics, MetricsPublisher
 
 
 def grown_kv_cache_config(vllm_config, kv_cache_config, extra: int):
@@ -63,21 +64,25 @@ def bind_engine(runner, config: GraphChunkConfig, first_pool_block: int) -> Chun
     copier = KVCopier([layer.kv_cache for layer in layers], slot_map, num_blocks, block_dim)
     metrics = CacheMetrics()
     block_size = runner.cache_config.block_size
-    pool = ChunkPool(config.pool_blocks(block_size), block_size, first_pool_block, metrics, policy=config.eviction)
+    pool_blocks = config.pool_blocks(block_size)
+    metrics.pool_blocks_total = pool_blocks
     tier = _tier(runner, config, layers, copier, slot_map, metrics) if config.store_path else None
     model = runner.model_config
     # With a tier, keys name the weights (shared with other servers), else the model's path.
     space = KeySpace(model=tier.identity.weights_digest if tier else f"{model.model}@{model.revision or ''}",
                      dtype=str(model.dtype), parallel_layout=_parallel_layout(runner.parallel_config))
-    cache = ChunkCache(pool, space, runner.scheduler_config.max_num_batched_tokens, check_layer=config.check_layer,
-                       tier=tier)
+    max_tokens = runner.scheduler_config.max_num_batched_tokens
+    context_runner = ContextRunner(block_size, max_tokens, metrics, check_layer=config.check_layer, tier=tier)
     blend = BlendSupport.of(runner.model, model.max_model_len, config)
+    handshake = PoolHandshake(first_pool_block, pool_blocks, block_size, space, blend.refusal, blend.check_refusal)
     counts = BucketCounts(load_grid(config.templates), metrics) if config.templates else None
     path = os.environ.get(METRICS_FILE_ENV)
-    logger.info("graphchunk: chunk pool of %d blocks (%d tokens) at block ids [%d, %d)", pool.num_blocks,
-                pool.num_blocks * block_size, first_pool_block, first_pool_block + pool.num_blocks)
-    return ChunkEngine(config, metrics, cache, RunnerKV(runner, copier, blend, layers), blend, counts,
-                       MetricsPublisher(path) if path else None)
+    logger.info("graphchunk: chunk pool of %d blocks (%d tokens) at block ids [%d, %d)", pool_blocks,
+                pool_blocks * block_size, first_pool_block, first_pool_block + pool_blocks)
+    engine = ChunkEngine(config, metrics, context_runner, RunnerKV(runner, copier, blend, layers), blend, handshake,
+                         max_tokens, counts, MetricsPublisher(path, WORKER_FIELDS) if path else None)
+    WORKER.engine = engine
+    return engine
 
 
 def probe_kv_layout(layer, spec, block_dim: int, num_blocks: int) -> KVSlotMap:

@@ -5,9 +5,10 @@ NPUModelRunner). Its state is one ``ChunkEngine`` (``chunk_engine.py``), built w
 the KV cache (``initialize_kv_cache``, grown by the pool's blocks: ``kv_binding.py``); each
 override below is a few lines calling it, in vLLM's order within a step:
 
-``execute_model``   plans the step and runs vLLM's step on the plan's (shrunk) scheduler output;
-``_prepare_inputs`` fills the planned context from the chunk pool once vLLM's block tables hold
-                    the step, then rewrites positions in the batch vLLM prepared;
+``execute_model``   plans the step and runs vLLM's step inside;
+``_prepare_inputs`` fills the planned context (graphchunk's connector's loads, ``connector.py``)
+                    from the chunk pool once vLLM's block tables hold the step, then rewrites
+                    positions in the batch vLLM prepared;
 ``_determine_batch_execution_and_padding``
                     counts how vLLM runs a step with a cached-chunk prefill (its graph, padded, eager).
 """
@@ -43,13 +44,13 @@ class ChunkModelRunner:
     def execute_model(self, scheduler_output, intermediate_tensors=None):
         if self.chunk_engine is None:
             return super().execute_model(scheduler_output, intermediate_tensors)
-        with self.chunk_engine.step(scheduler_output) as plan:
-            return super().execute_model(plan.scheduler_output, intermediate_tensors)
+        with self.chunk_engine.step(scheduler_output):
+            return super().execute_model(scheduler_output, intermediate_tensors)
 
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         engine = self.chunk_engine
         if engine is not None:
-            engine.fill_context(lambda req_id: self.requests[req_id].block_ids[0])
+            engine.fill_context()
         result = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
         if engine is not None:
             engine.rewrite_positions(self.input_batch, self.query_start_loc.np, self.positions)

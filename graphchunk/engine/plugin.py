@@ -15,7 +15,7 @@ _ANNOTATOR = "_graphchunk_annotator"
 def register() -> None:
     from vllm.v1.engine.input_processor import InputProcessor
 
-    from graphchunk.engine import document_hooks
+    from graphchunk.engine import connector, document_hooks
     from graphchunk.engine.frontend import DOCUMENTS_KEY
 
     if getattr(InputProcessor.process_inputs, "_graphchunk", False):
@@ -37,6 +37,7 @@ def register() -> None:
 
     process_inputs._graphchunk = True
     InputProcessor.process_inputs = process_inputs
+    connector.register()
     document_hooks.install(RequestError)
     _guard_request_bodies()
     _select_v1_model_runner()
@@ -64,6 +65,9 @@ def _check_config_before_start() -> None:
 
         grid = None
         if is_graphchunk_worker(self.worker_cls):
+            from graphchunk.engine.connector import connector_config
+
+            self.kv_transfer_config = connector_config(self.kv_transfer_config)
             templates = GraphChunkConfig.from_additional_config(self.additional_config).templates
             grid = load_grid(templates) if templates else None
             if grid is not None:

@@ -69,6 +69,7 @@ def check_config(vllm_config, config: GraphChunkConfig) -> None:
                           "per-step adapter mapping, and cached chunk KV is keyed without the adapter; start "
                           "without --enable-lora")
     check_kv_cache_dtype(vllm_config.cache_config)
+    check_connector(vllm_config.kv_transfer_config)
     if vllm_config.model_config.uses_mrope:
         raise ConfigError("graphchunk does not support models with M-RoPE (multimodal rotary positions, e.g. "
                           "Qwen2-VL, Qwen2.5-VL, Qwen3-VL; vLLM's model_config.uses_mrope): vLLM feeds them "
@@ -98,6 +99,17 @@ def check_config(vllm_config, config: GraphChunkConfig) -> None:
                           f"prompt of max_model_len tokens plus one chunk of max_chunk_len tokens, "
                           f"{needed * block_size} tokens at block size {block_size}")
     check_pool_fits(vllm_config, config)
+
+
+def check_connector(kv_transfer_config) -> None:
+    """The engine loads its segmented requests' context through graphchunk's KV connector."""
+    from graphchunk.engine.connector import KV_CONNECTOR, connector_config
+
+    if kv_transfer_config is None:
+        raise ConfigError(f"this graphchunk engine's configuration has no KV connector (kv_transfer_config is "
+                          f"unset): build it through vLLM's EngineArgs, where graphchunk sets its own, or name "
+                          f"{KV_CONNECTOR} in --kv-transfer-config")
+    connector_config(kv_transfer_config)
 
 
 def check_kv_cache_dtype(cache_config) -> None:
@@ -242,8 +254,6 @@ def make_worker_class() -> type:
         def graphchunk_stats(self) -> dict[str, float]:
             return self.model_runner.chunk_engine.stats()
 
-        def graphchunk_reset_pool(self) -> int:
-            return self.model_runner.chunk_engine.reset_pool()
 
     Worker.__module__, Worker.__qualname__ = "graphchunk", "Worker"
     return Worker

@@ -1,0 +1,218 @@
+"""Host-side plan of segmented requests' context: the one pool index, kept where vLLM schedules.
+
+For a request's context range ``[start, end)`` (C = S + sum L_i, DESIGN.md §2), ``ContextPlanner.plan``
+acquires a pool entry for the sys prompt and for each chunk overlapping the range and says what
+the workers must do with them:
+
+- an entry absent from the pool is inserted and given a ``MissJob`` that computes it as a
+  pseudo-sequence with ordinary causal attention (sys at positions [0, S); an isolated chunk as
+  ``sys ‖ chunk`` continuing the sys entry's KV, its partial last block copied first, positions
+  [S, S+L_i); a blend chunk alone at [0, L_i)), or loads it from the workers' tier;
+- an entry that an earlier job is still computing is waited for;
+- every segment becomes a ``UnitCopy``: the slots of the request's tokens ``[lo, hi)`` in the
+  entry's blocks, copied into the request's own slots once every entry is ready.
+
+Jobs get increasing ids; workers run them in id order (``context_run.py``) and report the first id
+they have not finished (``finish_jobs``), which makes the entries of the jobs before it ready.
+A plan with nothing to wait for (``needs`` < 0) is all hits: its request loads synchronously.
+
+References: a plan holds one on each of its entries until its copies have been sent
+(``release``), a job one on its entry (and an isolated chunk's job one on its sys entry) until it
+has run; eviction (``pool.py``) only takes unreferenced ready entries, so no block is reused while
+anything will still read or write it. ``plan`` raises ``PoolExhausted`` (having undone itself)
+when the entries in use leave no room.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from graphchunk.cache.keys import KeySpace, chunk_key, sys_key
+from graphchunk.cache.pool import ChunkPool, PoolEntry, PoolExhausted
+from graphchunk.segments import SegmentedPrompt
+
+
+@dataclass(frozen=True)
+class UnitCopy:
+    """One segment's share of a request's context: its tokens ``[lo, hi)``, whose KV sits in
+    ``entry_blocks`` from slot ``offset`` on for the segment's first token (``begin``)."""
+
+    entry_blocks: tuple[int, ...]
+    offset: int
+    lo: int
+    hi: int
+    begin: int
+    kind: str
+    """'sys'; 'chunk' (isolated: keys divided by the request's key temperature); 'rotated'
+    (blend: computed at [0, L), keys rotated to where the chunk lands)."""
+
+
+@dataclass(frozen=True)
+class MissJob:
+    """Computes one pool entry (or loads it from the tier): the pseudo-sequence ``token_ids`` at
+    positions ``0..len-1`` over ``block_ids``, its first ``num_cached`` tokens already there."""
+
+    job_id: int
+    token_ids: tuple[int, ...]
+    block_ids: tuple[int, ...]
+    num_cached: int
+    entry_blocks: tuple[int, ...]
+    """The entry's own blocks (what the tier stores)."""
+    key: bytes
+    entry_tokens: tuple[int, ...]
+    num_tokens: int
+    mode: str
+    partial_copy: tuple[int, int] | None = None
+    """(sys entry's partial last block, the chunk entry's first block): copied before the forward."""
+    after: int = -1
+    """The job computing the sys entry this one reads (-1: none, or it was ready)."""
+    counted: bool = False
+    """A chunk's job (its lookup is counted in the metrics; a sys prompt's is not)."""
+
+    @property
+    def num_new(self) -> int:
+        return len(self.token_ids) - self.num_cached
+
+
+@dataclass
+class _Job:
+    """A job the workers have not reported run: its entry, and the entries it holds."""
+    entry: PoolEntry
+    holds: list[PoolEntry]
+
+
+@dataclass
+class RequestPlan:
+    units: list[UnitCopy] = field(default_factory=list)
+    jobs: list[MissJob] = field(default_factory=list)
+    """Jobs this plan created (others' jobs it waits for are not repeated)."""
+    needs: int = -1
+    """The last job id it waits for; -1: every entry is ready."""
+    held: list[PoolEntry] = field(default_factory=list)
+    counts: list[tuple[str, int, str | int]] = field(default_factory=list)
+    """What the plan counts, for the workers to add to their metrics as they run it (``context_run``):
+    (metric, n, mode), or ('reused', n, job id): tokens copied from an entry a job is computing,
+    reused should the tier serve it."""
+
+
+class ContextPlanner:
+    def __init__(self, pool: ChunkPool, space: KeySpace):
+        self.pool, self.space = pool, space
+        self.block_size = pool.block_size
+        self._next_job = 0
+        self._running: dict[int, _Job] = {}
+        """Jobs not yet reported run."""
+
+    def plan(self, seg: SegmentedPrompt, salt: str | None, mode: str, start: int, end: int) -> RequestPlan:
+        plan = RequestPlan()
+        num_jobs = self._next_job
+        try:
+            for index, (begin, stop) in enumerate(seg.bounds[:-1]):
+                lo, hi = max(begin, start), min(stop, end)
+                if lo < hi:
+                    self._plan_unit(seg, salt, mode, None if index == 0 else index - 1, lo, hi, plan)
+        except PoolExhausted:
+            self.release(plan)
+            for job in plan.jobs:  # never sent: their entries are dropped with their last release
+                for entry in self._running.pop(job.job_id).holds:
+                    self.pool.release(entry)
+            self._next_job = num_jobs
+            raise
+        return plan
+
+    def release(self, plan: RequestPlan) -> None:
+        for entry in plan.held:
+            self.pool.release(entry)
+        plan.held = []
+
+    def finish_jobs(self, done_before: int) -> None:
+        """The workers have run every job with an id below ``done_before``."""
+        for job_id in [j for j in self._running if j < done_before]:
+            job = self._running.pop(job_id)
+            self.pool.mark_ready(job.entry)
+            job.entry.job_id = -1
+            for held in job.holds:
+                self.pool.release(held)
+
+    @property
+    def jobs_running(self) -> int:
+        return len(self._running)
+
+    # --- one segment ---------------------------------------------------------------------------
+
+    def _plan_unit(self, seg, salt, mode, chunk: int | None, lo: int, hi: int, plan: RequestPlan) -> None:
+        sys_entry = None
+        if seg.layout.sys_len and (chunk is None or mode == "isolated"):
+            sys_entry = self._acquire_sys(seg, salt, mode, plan)
+        if chunk is None:
+            entry, offset, kind = sys_entry, 0, "sys"
+        else:
+            entry, offset = self._acquire_chunk(seg, chunk, sys_entry, salt, mode, plan)
+            kind = "rotated" if mode == "blend" else "chunk"
+        plan.counts.append(("tokens_reused", hi - lo, mode) if entry.ready else ("reused", hi - lo, entry.job_id))
+        begin = seg.bounds[0 if chunk is None else 1 + chunk][0]
+        plan.units.append(UnitCopy(tuple(entry.block_ids), offset, lo, hi, begin, kind))
+
+    def _acquire_sys(self, seg, salt, mode, plan: RequestPlan) -> PoolEntry:
+        key = sys_key(self.space, seg.sys_tokens, salt, mode)
+        entry = self._lookup(key, seg.sys_tokens, plan)
+        if entry is None:
+            entry = self._insert(key, seg.sys_tokens, seg.layout.sys_len, plan)
+            self._add_job(plan, entry, seg.sys_tokens, entry.block_ids, 0, mode, [entry], counted=False)
+        return entry
+
+    def _acquire_chunk(self, seg, i, sys_entry, salt, mode, plan: RequestPlan) -> tuple[PoolEntry, int]:
+        """The chunk's entry and the slot offset of its first token in the entry's blocks. The
+        metrics count chunk lookups only (a sys prompt is looked up once per chunk it precedes).
+
+        Isolated: the entry holds ``sys ‖ chunk``'s KV from the sys prompt's partial last block on.
+        Blend: the chunk alone, at positions [0, L), from the first slot."""
+        chunk = seg.chunk_tokens(i)
+        sys_tokens = seg.sys_tokens if mode == "isolated" else ()
+        offset = len(sys_tokens) % self.block_size
+        tokens = sys_tokens + chunk
+        start = time.perf_counter()
+        key = chunk_key(self.space, sys_tokens, chunk, salt, mode)
+        entry = self._lookup(key, tokens, plan)
+        plan.counts.append(("lookup_seconds", time.perf_counter() - start, mode))
+        outcome = "hits" if entry is not None else "misses"  # an entry in flight is computed once
+        if entry is None:
+            entry = self._insert(key, tokens, offset + len(chunk), plan)
+            if mode == "blend":
+                self._add_job(plan, entry, chunk, entry.block_ids, 0, mode, [entry])
+            else:
+                sys_blocks = sys_entry.block_ids[: len(sys_tokens) // self.block_size] if sys_entry else []
+                partial = (sys_entry.block_ids[-1], entry.block_ids[0]) if offset else None
+                holds = [entry] + ([sys_entry] if sys_entry is not None else [])
+                if sys_entry is not None:
+                    self.pool.acquire(sys_entry)
+                after = sys_entry.job_id if sys_entry is not None and not sys_entry.ready else -1
+                self._add_job(plan, entry, tokens, [*sys_blocks, *entry.block_ids], len(sys_tokens), mode, holds,
+                              partial, after)
+        plan.counts += [("lookups", 1, mode), (outcome, 1, mode)]
+        return entry, offset
+
+    def _lookup(self, key: bytes, tokens, plan: RequestPlan) -> PoolEntry | None:
+        entry = self.pool.lookup(key, tokens)
+        if entry is not None:
+            plan.held.append(entry)
+            if not entry.ready:
+                plan.needs = max(plan.needs, entry.job_id)
+        return entry
+
+    def _insert(self, key: bytes, tokens, num_tokens: int, plan: RequestPlan) -> PoolEntry:
+        entry = self.pool.insert(key, tokens, num_tokens)
+        plan.held.append(entry)
+        return entry
+
+    def _add_job(self, plan: RequestPlan, entry: PoolEntry, token_ids, block_ids, num_cached: int, mode: str,
+                 holds: list[PoolEntry], partial: tuple[int, int] | None = None, after: int = -1,
+                 counted: bool = True) -> None:
+        job = MissJob(self._next_job, tuple(token_ids), tuple(block_ids), num_cached, tuple(entry.block_ids),
+                      entry.key, tuple(entry.tokens), entry.num_tokens, mode, partial, after, counted)
+        self._next_job += 1
+        self.pool.acquire(entry)  # the job's own reference, beside the plan's (others in ``holds``: the caller's)
+        entry.job_id = job.job_id
+        self._running[job.job_id] = _Job(entry, holds)
+        plan.jobs.append(job)
+        plan.needs = max(plan.needs, job.job_id)

@@ -1,0 +1,173 @@
+"""Device-side run of the context plans (``context_plan.py``), in every worker, over a ``KVDevice``.
+
+``add_jobs`` queues the ``MissJob``s a step's plans created; ``run_jobs`` runs them in id order,
+at most ``budget`` new tokens per call (None: all), in forwards of at most ``max_forward_tokens``
+tokens, cutting a long job across forwards and steps (each piece continues the KV of the one
+before); a job never shares a forward with the sys job whose KV it reads. A job's entry is first
+looked up in the persistent tier (``store.py``): a file there is loaded into the entry's blocks
+instead of computed, and a computed entry is written through. ``done_before`` is the first job
+id not yet finished: the plans' scheduler learns it after each step.
+
+``fill`` copies the context of requests whose jobs have all run from the pool into their own
+slots (chunk keys divided by the request's key temperature when it is not 1; blend chunks'
+keys rotated to where they land), then gives the tokens each blend request's recompute policy
+picks fresh KV (``blend/recompute.py``).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from graphchunk.blend.recompute import recompute
+from graphchunk.cache.context_plan import MissJob, UnitCopy
+from graphchunk.cache.store import ChunkStore
+from graphchunk.device import KVDevice, PseudoSeq, slots_of
+from graphchunk.metrics import CacheMetrics
+
+
+@dataclass
+class _Progress:
+    job: MissJob
+    computed: int
+    """Tokens of the job's pseudo-sequence whose KV is in place."""
+    started: bool = False
+    loaded: bool = False
+    """Served by the tier (not written back)."""
+
+
+class ContextRunner:
+    def __init__(self, block_size: int, max_forward_tokens: int, metrics: CacheMetrics, *, check_layer: int = 1,
+                 tier: ChunkStore | None = None):
+        self.block_size, self.max_forward_tokens = block_size, max_forward_tokens
+        self.metrics, self.check_layer, self.tier = metrics, check_layer, tier
+        self._queue: deque[_Progress] = deque()
+        self.done_before = 0
+        """Every job with a smaller id has run."""
+        self._reused: dict[int, tuple[str, int]] = {}
+        """Per queued job: (mode, context tokens plans will copy from its entry)."""
+
+    @property
+    def pending_tokens(self) -> int:
+        return sum(len(p.job.token_ids) - p.computed for p in self._queue)
+
+    def add_jobs(self, jobs: Sequence[MissJob]) -> None:
+        for job in jobs:
+            self._queue.append(_Progress(job, job.num_cached))
+            self._reused[job.job_id] = (job.mode, 0)
+
+    def count(self, counts) -> None:
+        """Adds a plan's counts (``RequestPlan.counts``, its jobs added first) to the metrics."""
+        for name, n, what in counts:
+            if name == "reused":
+                mode, reused = self._reused.get(what, ("", 0))
+                if what in self._reused:
+                    self._reused[what] = (mode, reused + n)
+            elif name == "lookup_seconds":
+                self.metrics.lookup_seconds += n
+            else:
+                self.metrics.count(name, n, what)
+
+    def run_jobs(self, device: KVDevice, budget: int | None = None) -> None:
+        left = budget if budget is not None else self.pending_tokens
+        while self._queue and left > 0:
+            batch, finishing = self._next_forward(device, min(left, self.max_forward_tokens))
+            if batch:
+                device.prefill(batch)
+                computed = sum(s.num_new for s in batch)
+                self.metrics.tokens_computed += computed
+                left -= computed
+            for progress in finishing:
+                self._finish(progress, device)
+            if not batch and not finishing:
+                break
+
+    def _next_forward(self, device: KVDevice, cap: int) -> tuple[list[PseudoSeq], list[_Progress]]:
+        """One forward's pieces, from the head of the queue, and the jobs it completes (tier
+        loads complete without one). Stops before a job whose sys job is still running."""
+        batch, finishing, used = [], [], 0
+        running = set()
+        for progress in self._queue:
+            job = progress.job
+            if used >= cap or _reads_sys_of(job, running):
+                break
+            if not progress.started:
+                progress.started = True
+                if self._load(job, device):
+                    progress.computed, progress.loaded = len(job.token_ids), True
+                    finishing.append(progress)
+                    continue
+                if job.partial_copy is not None:
+                    device.copy_blocks([job.partial_copy[0]], [job.partial_copy[1]])
+            take = min(len(job.token_ids) - progress.computed, cap - used)
+            end = progress.computed + take
+            batch.append(PseudoSeq(job.token_ids[:end], np.arange(end), job.block_ids, progress.computed))
+            progress.computed, used = end, used + take
+            running.add(job)
+            if end == len(job.token_ids):
+                finishing.append(progress)
+            else:
+                break  # the rest of this job comes next forward, before anything after it
+        return batch, finishing
+
+    def _finish(self, progress: _Progress, device: KVDevice) -> None:
+        head = self._queue.popleft()
+        assert head is progress, "jobs finish in id order"
+        job = progress.job
+        mode, reused = self._reused.pop(job.job_id)
+        if progress.loaded:  # a tier hit, not a miss; the tokens copied from it are reused
+            if job.counted:
+                self.metrics.count("tier_hits", 1, mode)
+                self.metrics.count("misses", -1, mode)
+            self.metrics.count("tokens_reused", reused, mode)
+        if self.tier is not None and not progress.loaded:
+            self.tier.save(job.key, job.entry_tokens, job.num_tokens, job.mode, device.read_blocks(job.entry_blocks))
+        self.done_before = job.job_id + 1
+
+    def _load(self, job: MissJob, device: KVDevice) -> bool:
+        if self.tier is None:
+            return False
+        data = self.tier.load(job.key, job.entry_tokens, job.mode, len(job.entry_blocks))
+        if data is None:
+            return False
+        device.write_blocks(list(job.entry_blocks), data)
+        return True
+
+    # --- fills ---------------------------------------------------------------------------------
+
+    def fill(self, requests: Sequence[tuple[object, Sequence[UnitCopy]]], device: KVDevice) -> None:
+        """``requests``: (``chunk_cache.ScheduledPrompt`` with the request's block ids, its units)."""
+        self.copy(requests, device)
+        self.recompute([prompt for prompt, _ in requests], device)
+
+    def copy(self, requests: Sequence[tuple[object, Sequence[UnitCopy]]], device: KVDevice) -> None:
+        copies: dict[float, list[tuple[np.ndarray, np.ndarray]]] = {}
+        rotated = []
+        for prompt, units in requests:
+            for unit in units:
+                src = slots_of(unit.entry_blocks, unit.offset + np.arange(unit.lo - unit.begin, unit.hi - unit.begin),
+                               self.block_size)
+                dst = slots_of(prompt.block_ids, np.arange(unit.lo, unit.hi), self.block_size)
+                if unit.kind == "rotated":
+                    rotated.append((src, dst, np.full(unit.hi - unit.lo, unit.begin, np.int64)))
+                else:
+                    temperature = prompt.key_temperature if unit.kind == "chunk" else 1.0
+                    copies.setdefault(temperature, []).append((src, dst))
+        for temperature in sorted(copies):
+            device.copy_slots(*(np.concatenate(part) for part in zip(*copies[temperature])),
+                              key_temperature=temperature)
+        if rotated:
+            device.copy_slots_rotated(*(np.concatenate(part) for part in zip(*rotated)))
+
+    def recompute(self, prompts: Sequence, device: KVDevice) -> None:
+        blended = [prompt for prompt in prompts if prompt.policy is not None]
+        if blended:
+            recompute(blended, device, check_layer=self.check_layer, budget=self.max_forward_tokens,
+                      block_size=self.block_size, metrics=self.metrics)
+
+
+def _reads_sys_of(job: MissJob, running: set) -> bool:
+    """Whether ``job`` reads KV that a job earlier in this forward writes."""
+    return job.after >= 0 and any(other.job_id == job.after for other in running)

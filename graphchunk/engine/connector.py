@@ -1,0 +1,194 @@
+"""``GraphChunkConnector``: graphchunk's context reuse as vLLM sees it, through its KV-connector interface.
+
+vLLM's scheduler asks a KV connector how many of a request's tokens, beyond its own prefix-cache
+hit, come from elsewhere (``get_num_new_matched_tokens``); it then allocates their blocks, counts
+them as computed, and budgets (``max_num_batched_tokens``) and schedules only the rest. For a
+segmented request, graphchunk supplies its whole context (sys prompt and chunks, DESIGN.md §2):
+the step that schedules it computes only its question, however long the context, and vLLM's
+prefix-cache and connector metrics count the context as an external hit. A request whose chunks
+all hit the pool loads synchronously (filled before the forward of the step that schedules it);
+one with misses loads asynchronously: vLLM keeps it waiting, not scheduled, while the workers
+compute its misses a budget per step (``graphchunk.miss_budget``), and the workers report it
+loaded once they have filled its context.
+
+Scheduler side: ``context_scheduler.ContextScheduler`` (the one pool index), sent to the workers
+as each step's metadata. The pool's geometry, its key space and what the model allows of blend
+mode come from the workers once, as handshake metadata, before the first request.
+
+Worker side: the chunk-aware runner's engine (``chunk_engine.py``) runs the metadata; this class
+reports what it finished (``get_finished``, ``build_connector_worker_meta``). The engine's work
+runs from the runner's own hooks (``model_runner.py``), not from ``start_load_kv``: misses and
+blend's recompute are pseudo-sequence forwards, whose attention metadata the backends build in the
+same persistent buffers as the step's own, so they run before vLLM prepares the step (jobs, and
+asynchronous loads' fills, as ``execute_model`` begins; this step's fills once vLLM has updated,
+and zeroed, its blocks), where no connector method is called; and isolated mode's question
+positions (``ChunkEngine.rewrite_positions``) have no connector equivalent at all.
+
+vLLM finds the class through ``kv_transfer_config`` (``KV_CONNECTOR``, ``KV_CONNECTOR_MODULE``):
+graphchunk's start-up sets it when the user named no connector (``connector_config``); it may stand
+inside vLLM's ``MultiConnector`` beside other connectors, first (MultiConnector takes the first
+child's handshake metadata).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+
+from graphchunk.config import ConfigError, GraphChunkConfig
+from graphchunk.engine.context_scheduler import ContextScheduler, PoolHandshake, StepWork
+
+KV_CONNECTOR = "GraphChunkConnector"
+KV_CONNECTOR_MODULE = "graphchunk.engine.connector"
+
+
+@dataclasses.dataclass
+class GraphChunkMetadata(KVConnectorMetadata):
+    work: StepWork = dataclasses.field(default_factory=StepWork)
+
+
+@dataclasses.dataclass
+class GraphChunkHandshake(KVConnectorHandshakeMetadata):
+    pool: PoolHandshake
+
+
+@dataclasses.dataclass
+class GraphChunkWorkerMeta(KVConnectorWorkerMetadata):
+    done_before: int
+    """The worker's first unfinished job."""
+
+    def aggregate(self, other: "GraphChunkWorkerMeta") -> "GraphChunkWorkerMeta":
+        return GraphChunkWorkerMeta(min(self.done_before, other.done_before))
+
+
+class _Worker:
+    """What a worker process's engine (``ChunkEngine``) offers its connector."""
+
+    engine = None
+
+
+WORKER = _Worker()
+"""This process's worker engine, once built (``kv_binding.bind_engine``)."""
+
+
+class GraphChunkConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        self._config = GraphChunkConfig.from_additional_config(vllm_config.additional_config)
+        self._scheduler: ContextScheduler | None = None
+
+    # --- scheduler side -----------------------------------------------------------------------
+
+    def set_xfer_handshake_metadata(self, metadata: dict) -> None:
+        pools = {rank: m.pool for rank, m in metadata.items() if isinstance(m, GraphChunkHandshake)}
+        if len(set(pools.values())) != 1:
+            raise ConfigError(f"graphchunk: the workers report {len(set(pools.values()))} different chunk pools "
+                              f"(ranks {sorted(pools)}); every rank must hold the same one")
+        self._scheduler = ContextScheduler(self._config, next(iter(pools.values())))
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        params = request.sampling_params
+        return self._context().matched(request.request_id, request.prompt_token_ids,
+                                       (params.extra_args or {}) if params else {}, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        (block_ids,) = blocks.get_block_ids()
+        self._context().allocated(request.request_id, block_ids, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> GraphChunkMetadata:
+        return GraphChunkMetadata(self._context().metadata())
+
+    def update_connector_output(self, connector_output) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, GraphChunkWorkerMeta):
+            self._context().reported(meta.done_before)
+        for req_id in connector_output.finished_recving or ():
+            self._context().loaded(req_id)
+
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._context().finished(request.request_id)
+        return False, None
+
+    def take_events(self):
+        return self._scheduler.take_events() if self._scheduler is not None else ()
+
+    def reset_cache(self) -> bool:
+        self._context().reset()
+        return True
+
+    def _context(self) -> ContextScheduler:
+        if self._scheduler is None:
+            raise RuntimeError("graphchunk's connector has no chunk pool: the workers' handshake metadata never "
+                               "came (in MultiConnector, graphchunk's connector must come first)")
+        return self._scheduler
+
+    # --- worker side: the engine runs the metadata from the runner's hooks (module docstring) ---
+
+    def get_handshake_metadata(self) -> GraphChunkHandshake | None:
+        engine = WORKER.engine
+        return GraphChunkHandshake(engine.handshake()) if engine is not None else None
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        engine = WORKER.engine
+        return None, (engine.take_loaded() or None) if engine is not None else None
+
+    def build_connector_worker_meta(self) -> GraphChunkWorkerMeta | None:
+        engine = WORKER.engine
+        return GraphChunkWorkerMeta(engine.done_before) if engine is not None else None
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        return
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
+        return
+
+    def wait_for_save(self) -> None:
+        return
+
+
+def work_of(kv_connector_metadata) -> StepWork:
+    """graphchunk's work in a step's connector metadata: its own, or its part of ``MultiConnector``'s."""
+    if isinstance(kv_connector_metadata, GraphChunkMetadata):
+        return kv_connector_metadata.work
+    for part in getattr(kv_connector_metadata, "metadata", ()):
+        if isinstance(part, GraphChunkMetadata):
+            return part.work
+    return StepWork()
+
+
+def connector_config(kv_transfer_config):
+    """The ``kv_transfer_config`` a graphchunk engine runs with: graphchunk's connector alone when
+    the user named none; the user's, when it names graphchunk's (alone, or inside MultiConnector);
+    refused otherwise, naming the setting."""
+    from vllm.config import KVTransferConfig
+
+    if kv_transfer_config is None:
+        return KVTransferConfig(kv_connector=KV_CONNECTOR, kv_connector_module_path=KV_CONNECTOR_MODULE,
+                                kv_role="kv_consumer")
+    if kv_transfer_config.has_connector(KV_CONNECTOR):
+        return kv_transfer_config
+    raise ConfigError(
+        f"--kv-transfer-config names {kv_transfer_config.kv_connector!r} without graphchunk's connector: a "
+        f"graphchunk engine loads its chunks' KV through it; put both in vLLM's MultiConnector, graphchunk's "
+        f'first: {{"kv_connector": "MultiConnector", "kv_role": "kv_both", "kv_connector_extra_config": '
+        f'{{"connectors": [{{"kv_connector": "{KV_CONNECTOR}", "kv_role": "kv_consumer"}}, ...]}}}}')
+
+
+def register() -> None:
+    """Makes ``GraphChunkConnector`` a name vLLM's connector factory knows (in every process)."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    try:
+        KVConnectorFactory.register_connector(KV_CONNECTOR, KV_CONNECTOR_MODULE, KV_CONNECTOR)
+    except ValueError:  # registered already (the plugin loads once per process; this keeps it idempotent)
+        pass

@@ -1,0 +1,266 @@
+"""The scheduler half of graphchunk's KV connector: which context vLLM may count as computed, and
+what the workers must do for it, decided once, in vLLM's scheduler process, over the one pool index.
+
+Per segmented request (``ChunkRequest``, read once from what graphchunk's frontend sent with it):
+
+``matched``   (vLLM asks how many tokens beyond its own prefix-cache hit come from elsewhere)
+              plans the context from that hit to C (``context_plan.ContextPlanner``): all hits
+              load synchronously, before the step's forward; a plan with misses loads
+              asynchronously: the request waits while the workers run its jobs, a budget per step.
+              A pool too full for the plan answers None (vLLM asks again next step), and so
+              does an all-hit blend request once the step's blend recompute (which vLLM's token
+              budget does not see: it runs as graphchunk's own forwards) has reached
+              ``miss_budget`` tokens: one is always admitted.
+``allocated`` (vLLM allocated its blocks) turns the plan into a load: a fill this step (hits), a
+              load the workers complete by themselves once its jobs have run (misses: its copies;
+              blend's recompute, which runs the question over the request's own blocks, waits
+              for the step that schedules the request, when the question has its blocks: a fill
+              with nothing to copy).
+``metadata``  (vLLM builds the step's metadata) sends the step's new jobs, fills and loads, the
+              plans' counts and the pool's state; a plan is released once its copies are sent
+              (workers run steps in order, so nothing evicted afterwards is copied too late).
+``reported``  the workers' first unfinished job: earlier jobs' entries become ready.
+``finished``  releases what a finished, aborted or preempted-and-dropped request still holds.
+``take_events`` the pool's entries stored (ready) and removed since the last step, as vLLM's KV
+              events (``BlockStored`` / ``BlockRemoved``, medium ``graphchunk``, one block per
+              entry, hashed by its content key), which vLLM publishes on its KV-event stream
+              (``--kv-events-config``) for KV-aware routers.
+
+A blend request the model cannot blend (``handshake.blend_refusal``, from the workers) and an
+ordinary prompt load nothing: vLLM computes their full prefill itself.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from graphchunk.cache.chunk_cache import ScheduledPrompt
+from graphchunk.cache.context_plan import ContextPlanner, MissJob, RequestPlan, UnitCopy
+from graphchunk.cache.keys import KeySpace
+from graphchunk.cache.pool import ChunkPool, PoolExhausted
+from graphchunk.config import GraphChunkConfig
+from graphchunk.engine.frontend import ChunkRequest, chunk_request
+from graphchunk.log import logger
+from graphchunk.metrics import METRICS_FILE_ENV, POOL_FIELDS, CacheMetrics, MetricsPublisher
+
+EVENT_MEDIUM = "graphchunk"
+"""The medium of graphchunk's KV events: position-independent chunk entries, not prefix blocks."""
+
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolHandshake:
+    """What the workers tell the scheduler once, after allocating the KV cache."""
+
+    first_block: int
+    num_blocks: int
+    block_size: int
+    space: KeySpace
+    blend_refusal: str | None
+    """Why blend mode cannot run on this model (None: it can)."""
+    check_refusal: str | None
+    """Why CacheBlend's check pass cannot run (None: it can)."""
+
+    def runs(self, request: ChunkRequest) -> bool:
+        """Whether the workers run ``request`` as segmented (else vLLM computes its full prefill)."""
+        policy = request.policy
+        return policy is None or (self.blend_refusal is None and not (policy.needs_check and self.check_refusal))
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextLoad:
+    """A request's context tokens ``[start, end)`` to copy into its ``block_ids`` from the pool."""
+
+    req_id: str
+    request: ChunkRequest
+    start: int
+    end: int
+    block_ids: tuple[int, ...]
+    units: tuple[UnitCopy, ...]
+    needs: int = -1
+    """The last job it waits for (-1: none: a fill of this step)."""
+
+    def prompt(self) -> ScheduledPrompt:
+        """The request's context range, for the workers' fill (``context_run``; blend's recompute
+        reads the whole request: its question is scored as a pseudo-sequence, scheduled or not)."""
+        r = self.request
+        return ScheduledPrompt(r.seg, r.salt, self.start, r.seg.layout.num_tokens, self.block_ids, r.policy,
+                               r.key_temperature)
+
+
+@dataclasses.dataclass
+class StepWork:
+    """One step's work for the workers (the connector metadata's content)."""
+
+    jobs: tuple[MissJob, ...] = ()
+    fills: tuple[ContextLoad, ...] = ()
+    """Filled before this step's forward: the requests are scheduled in it."""
+    loads: tuple[ContextLoad, ...] = ()
+    """Filled by the workers once the jobs up to ``needs`` have run, then reported loaded."""
+    counts: tuple = ()
+    pool_state: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class _Request:
+    chunked: ChunkRequest | None
+    context_len: int
+    plan: RequestPlan | None = None
+    start: int = 0
+    waiting: bool = False
+    """Loads asynchronously: its workers fill it once its jobs have run."""
+    recompute: ContextLoad | None = None
+    """A blend request loaded asynchronously: its recompute, for the step that schedules it."""
+
+
+class ContextScheduler:
+    def __init__(self, config: GraphChunkConfig, handshake: PoolHandshake):
+        self.config, self.handshake = config, handshake
+        self.metrics = CacheMetrics()
+        pool = ChunkPool(handshake.num_blocks, handshake.block_size, handshake.first_block, self.metrics,
+                         policy=config.eviction)
+        self.planner = ContextPlanner(pool, handshake.space)
+        pool.listener = self
+        self._events: list = []
+        path = os.environ.get(METRICS_FILE_ENV)
+        self.publisher = MetricsPublisher(path, POOL_FIELDS) if path else None
+        """Publishes the pool's metrics for the API process's /metrics (the workers publish theirs)."""
+        self.pool_state()
+        self._requests: dict[str, _Request] = {}
+        self._jobs: list[MissJob] = []
+        self._fills: list[ContextLoad] = []
+        self._loads: list[ContextLoad] = []
+        self._counts: list = []
+        self._done_before = 0
+        """The workers' first unfinished job, as last reported."""
+        self._recompute_tokens = 0
+        """Blend recompute admitted into this step (``RecomputePolicy.cost``)."""
+
+    @property
+    def pool(self) -> ChunkPool:
+        return self.planner.pool
+
+    def matched(self, req_id: str, token_ids, extra_args: dict, num_computed: int) -> tuple[int | None, bool]:
+        state = self._request(req_id, token_ids, extra_args)
+        if num_computed >= state.context_len:
+            self._drop_plan(state)
+            return 0, False
+        if state.plan is None or state.start != num_computed:
+            self._drop_plan(state)
+            request = state.chunked
+            try:
+                plan = self.planner.plan(request.seg, request.salt, "isolated" if request.policy is None else "blend",
+                                         num_computed, state.context_len)
+            except PoolExhausted as exc:
+                logger.debug("graphchunk: request %s waits for pool room: %s", req_id, exc)
+                return None, False
+            self._jobs += plan.jobs
+            self._counts += plan.counts
+            state.plan, state.start = plan, num_computed
+        load_async = state.plan.needs >= self._done_before
+        if not load_async and self._recompute_tokens and \
+                self._recompute_tokens + self._recompute_cost(state) > self.config.miss_budget:
+            return None, False  # this step's blend recompute is full: next step
+        return state.context_len - num_computed, load_async
+
+    def allocated(self, req_id: str, block_ids, num_external: int) -> None:
+        state = self._requests.get(req_id)
+        if state is None:
+            return
+        if state.recompute is not None:  # loaded, now scheduled: blend's recompute, over all its blocks
+            self._fills.append(dataclasses.replace(state.recompute, block_ids=tuple(block_ids)))
+            self._recompute_tokens += self._recompute_cost(state)
+            state.recompute = None
+        if state.plan is None:
+            return
+        if num_external == 0:
+            if not state.waiting:  # vLLM took its tokens elsewhere (its own cache, another connector)
+                self._drop_plan(state)
+            return
+        if num_external != state.context_len - state.start:
+            raise RuntimeError(f"graphchunk: vLLM loads {num_external} tokens of request {req_id}'s context, "
+                               f"not the {state.context_len - state.start} graphchunk planned")
+        plan = state.plan
+        load = ContextLoad(req_id, state.chunked, state.start, state.context_len, tuple(block_ids),
+                           tuple(plan.units), plan.needs)
+        if plan.needs < self._done_before:
+            self._fills.append(load)
+            self._recompute_tokens += self._recompute_cost(state)
+            self._drop_plan(state)  # sent with this step's metadata, before anything can evict its entries
+        else:
+            self._loads.append(load)
+            state.waiting = True
+
+    def metadata(self) -> StepWork:
+        work = StepWork(tuple(self._jobs), tuple(self._fills), tuple(self._loads), tuple(self._counts),
+                        self.pool_state())
+        self._jobs, self._fills, self._loads, self._counts = [], [], [], []
+        self._recompute_tokens = 0
+        return work
+
+    def pool_state(self) -> dict[str, float]:
+        """The pool's metrics, audited, published, and sent to the workers (their ``stats()``)."""
+        self.pool.audit()
+        if self.publisher is not None:
+            self.publisher.publish(self.metrics)
+        return {name: getattr(self.metrics, name) for name in POOL_FIELDS}
+
+    def reported(self, done_before: int) -> None:
+        self._done_before = max(self._done_before, done_before)
+        self.planner.finish_jobs(self._done_before)
+        self.pool_state()
+
+    def loaded(self, req_id: str) -> None:
+        """The workers filled the request's context (its asynchronous load is complete)."""
+        state = self._requests.get(req_id)
+        if state is not None and state.waiting:
+            if state.chunked.policy is not None:
+                state.recompute = ContextLoad(req_id, state.chunked, state.start, state.context_len, (), ())
+            self._drop_plan(state)
+
+    def finished(self, req_id: str) -> None:
+        state = self._requests.pop(req_id, None)
+        if state is not None:
+            self._drop_plan(state)
+            self.pool_state()
+
+    def reset(self) -> int:
+        return self.pool.clear()
+
+    # --- KV events (the pool's listener) --------------------------------------------------------
+
+    def stored(self, entry) -> None:
+        from vllm.distributed.kv_events import BlockStored
+
+        self._events.append(BlockStored(block_hashes=[entry.key], parent_block_hash=None,
+                                        token_ids=list(entry.tokens), block_size=len(entry.tokens), lora_id=None,
+                                        medium=EVENT_MEDIUM, lora_name=None))
+
+    def removed(self, entry) -> None:
+        from vllm.distributed.kv_events import BlockRemoved
+
+        self._events.append(BlockRemoved(block_hashes=[entry.key], medium=EVENT_MEDIUM))
+
+    def take_events(self) -> list:
+        events, self._events = self._events, []
+        return events
+
+    def _request(self, req_id: str, token_ids, extra_args: dict) -> _Request:
+        state = self._requests.get(req_id)
+        if state is None:
+            chunked = chunk_request(token_ids, extra_args, self.config)
+            if chunked is not None and not self.handshake.runs(chunked):
+                chunked = None
+            context_len = chunked.seg.layout.context_len if chunked is not None else 0
+            state = self._requests[req_id] = _Request(chunked, context_len if context_len < len(token_ids) else 0)
+        return state
+
+    @staticmethod
+    def _recompute_cost(state: _Request) -> int:
+        policy, lay = state.chunked.policy, state.chunked.seg.layout
+        return policy.cost(lay.chunk_lens, lay.question_len) if policy is not None else 0
+
+    def _drop_plan(self, state: _Request) -> None:
+        if state.plan is not None:
+            self.planner.release(state.plan)
+        state.plan, state.waiting = None, False

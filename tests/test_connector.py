@@ -1,0 +1,264 @@
+"""graphchunk's KV connector under vLLM's own scheduler (no model; the workers' side of the protocol
+played by the test): what vLLM schedules for segmented requests, the work the connector sends the
+workers, the pool references it holds, and the connector's configuration."""
+from __future__ import annotations
+
+import os
+from unittest import mock
+
+import pytest
+import torch
+
+from graphchunk.cache.keys import KeySpace
+from graphchunk.config import ConfigError
+from graphchunk.engine.connector import (KV_CONNECTOR, GraphChunkHandshake, GraphChunkMetadata, GraphChunkWorkerMeta,
+                                         connector_config, work_of)
+from graphchunk.engine.context_scheduler import PoolHandshake, StepWork
+from graphchunk.engine.frontend import BOUNDARIES_ARG
+from graphchunk.metrics import METRICS_FILE_ENV
+
+BLOCK = 32
+BUDGET = 64
+
+
+@pytest.fixture(scope="module")
+def make_scheduler(smollm2_path):
+    """vLLM's Scheduler as its engine core builds it, with graphchunk's connector (isolated mode,
+    prefix caching on, a budget of 64 tokens per step) over a KV cache of 100 blocks."""
+    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from graphchunk.engine import plugin
+
+    plugin.register()
+    model = ModelConfig(model=str(smollm2_path), dtype="float32", max_model_len=2048)
+    config = VllmConfig(
+        model_config=model, cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
+        scheduler_config=SchedulerConfig(max_num_batched_tokens=BUDGET, max_num_seqs=8, max_model_len=2048,
+                                         is_encoder_decoder=False, enable_chunked_prefill=True),
+        kv_transfer_config=connector_config(None), additional_config={"graphchunk": {"mode": "isolated"}})
+    config.cache_config.num_gpu_blocks = 100
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=16, dtype=torch.float32)
+    kv_cache_config = KVCacheConfig(num_blocks=100, kv_cache_tensors=[],
+                                    kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)])
+    hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
+    init_none_hash(hash_fn)
+    hasher = get_request_block_hasher(BLOCK, hash_fn)
+
+    def make(pool_blocks: int = 64):
+        scheduler = Scheduler(config, kv_cache_config, StructuredOutputManager(config), block_size=BLOCK)
+        pool = PoolHandshake(100, pool_blocks, BLOCK, KeySpace("m", "f32"), None, None)
+        with mock.patch.dict(os.environ):  # not into the metrics file of an engine this process holds
+            os.environ.pop(METRICS_FILE_ENV, None)
+            scheduler.connector.set_xfer_handshake_metadata({0: GraphChunkHandshake(pool)})
+        return scheduler, hasher
+
+    return make
+
+
+def request(req_id: str, token_ids: list[int], boundaries: list[int] | None, hasher, max_tokens: int = 4):
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    params = SamplingParams(max_tokens=max_tokens, extra_args={BOUNDARIES_ARG: boundaries} if boundaries else {})
+    return Request(req_id, token_ids, params, None, block_hasher=hasher)
+
+
+def worker_output(so, done_before: int, loaded=()):
+    """What the workers return for step ``so``: a token per scheduled request, their first
+    unfinished job, and the requests whose asynchronous load they filled."""
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    req_ids = list(so.num_scheduled_tokens)
+    return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                             sampled_token_ids=[[7] for _ in req_ids],
+                             kv_connector_output=KVConnectorOutput(finished_recving=set(loaded) or None,
+                                                                   kv_connector_worker_meta=GraphChunkWorkerMeta(done_before)))
+
+
+def step(scheduler, done_before: int, loaded=()):
+    so = scheduler.schedule()
+    scheduler.update_from_output(so, worker_output(so, done_before, loaded))
+    return so, work_of(so.kv_connector_metadata)
+
+
+SYS, C1, C2 = list(range(1000, 1040)), list(range(2000, 2110)), list(range(3000, 3130))
+Q = list(range(4000, 4020))
+
+
+def test_misses_load_asynchronously_and_then_only_the_question_is_scheduled(make_scheduler):
+    """A 280-token context (over the 64-token budget) of three misses: vLLM keeps the request waiting
+    while the workers run its three jobs; once they report it loaded it is scheduled with its
+    20-token question alone, its context counted as computed."""
+    scheduler, hasher = make_scheduler()
+    scheduler.add_request(request("r", SYS + C1 + C2 + Q, [40, 150, 280], hasher))
+    so, work = step(scheduler, done_before=0)
+    assert so.num_scheduled_tokens == {} and not work.fills
+    assert [len(j.token_ids) for j in work.jobs] == [40, 150, 170]  # sys; sys + chunk (isolated) twice
+    (load,) = work.loads
+    assert (load.req_id, load.start, load.end, load.needs) == ("r", 0, 280, 2)
+    assert [(u.lo, u.hi, u.kind) for u in load.units] == [(0, 40, "sys"), (40, 150, "chunk"), (150, 280, "chunk")]
+    held = scheduler.connector._context().pool.metrics
+    so, work = step(scheduler, done_before=3, loaded={"r"})  # the workers ran the jobs and filled r
+    so, work = step(scheduler, done_before=3)
+    assert so.num_scheduled_tokens == {"r": 20} and so.scheduled_new_reqs[0].num_computed_tokens == 280
+    assert not work.fills and not work.jobs
+    assert held.pool_refs_held == 0  # the plan was released once loaded; the jobs once run
+
+
+def test_an_all_hit_context_beyond_the_budget_is_filled_in_the_step_that_schedules_its_question(make_scheduler):
+    scheduler, hasher = make_scheduler()
+    scheduler.add_request(request("a", SYS + C1 + C2 + Q, [40, 150, 280], hasher))
+    step(scheduler, done_before=0)
+    step(scheduler, done_before=3, loaded={"a"})
+    # the same chunks in the other order, another question: every chunk a pool hit
+    scheduler.add_request(request("b", SYS + C2 + C1 + list(range(5000, 5012)), [40, 170, 280], hasher))
+    so, work = step(scheduler, done_before=3)
+    assert so.num_scheduled_tokens["b"] == 12 and so.has_sync_kv_loads
+    new = {r.req_id: r for r in so.scheduled_new_reqs}
+    assert new["b"].num_computed_tokens == 40 + 130 + 110  # the sys blocks from vLLM's prefix cache (32), the rest loaded
+    (fill,) = work.fills
+    assert (fill.req_id, fill.start, fill.end, fill.needs) == ("b", 32, 280, -1) and not work.jobs
+    assert list(fill.block_ids) == list(new["b"].block_ids[0])
+
+
+def test_a_request_waiting_for_another_ones_job_needs_it(make_scheduler):
+    scheduler, hasher = make_scheduler()
+    scheduler.add_request(request("a", SYS + C1 + Q, [40, 150], hasher))
+    _, first = step(scheduler, done_before=0)
+    scheduler.add_request(request("b", SYS + C1 + list(range(6000, 6010)), [40, 150], hasher))
+    _, second = step(scheduler, done_before=0)
+    (load,) = second.loads
+    assert not second.jobs and load.needs == first.loads[0].needs  # computed once, waited for twice
+
+
+def test_a_full_pool_defers_a_request_and_an_abort_releases_its_plan(make_scheduler):
+    scheduler, hasher = make_scheduler(pool_blocks=8)
+    scheduler.add_request(request("a", SYS + C1 + C2 + Q, [40, 150, 280], hasher))  # needs 2 + 5 + 5 blocks
+    so, work = step(scheduler, done_before=0)
+    assert so.num_scheduled_tokens == {} and not work.loads and not work.jobs  # asked again later
+    scheduler.add_request(request("b", SYS + C1 + Q, [40, 150], hasher))  # fits: 2 + 5 blocks
+    so, work = step(scheduler, done_before=0)
+    assert [load.req_id for load in work.loads] == ["b"]
+    pool = scheduler.connector._context().pool
+    assert pool.metrics.pool_refs_held > 0
+    from vllm.v1.request import RequestStatus
+
+    scheduler.finish_requests(["b"], RequestStatus.FINISHED_ABORTED)
+    step(scheduler, done_before=2, loaded={"b"})  # its jobs ran; vLLM frees it once reported
+    scheduler.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
+    step(scheduler, done_before=2)
+    pool.audit()
+    assert pool.metrics.pool_refs_held == 0
+    pool.check_invariants()
+
+
+def test_ordinary_requests_load_nothing(make_scheduler):
+    scheduler, hasher = make_scheduler()
+    scheduler.add_request(request("plain", list(range(2000, 2100)), None, hasher))
+    so, work = step(scheduler, done_before=0)
+    assert so.num_scheduled_tokens == {"plain": BUDGET} and work == StepWork(pool_state=work.pool_state)
+    assert not so.has_sync_kv_loads
+
+
+def test_work_is_found_alone_or_inside_multiconnector_metadata():
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiKVConnectorMetadata
+
+    work = StepWork(counts=(("lookups", 1, "isolated"),))
+    ours = GraphChunkMetadata(work)
+    assert work_of(ours) is work
+    assert work_of(MultiKVConnectorMetadata(metadata=(object(), ours))) is work
+    assert work_of(None) == StepWork()
+
+
+def test_connector_config_adds_graphchunks_connector_or_refuses_one_without_it():
+    from vllm.config import KVTransferConfig
+
+    added = connector_config(None)
+    assert added.kv_connector == KV_CONNECTOR and added.kv_role == "kv_consumer"
+    multi = KVTransferConfig(kv_connector="MultiConnector", kv_role="kv_both", kv_connector_extra_config={
+        "connectors": [{"kv_connector": KV_CONNECTOR, "kv_role": "kv_consumer"},
+                       {"kv_connector": "ExampleConnector", "kv_role": "kv_both"}]})
+    assert connector_config(multi) is multi
+    with pytest.raises(ConfigError, match="--kv-transfer-config names 'ExampleConnector' without graphchunk"):
+        connector_config(KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both"))
+
+
+def test_pool_entries_stored_and_removed_are_published_as_kv_events(make_scheduler):
+    """vLLM publishes what the connector's ``take_events`` returns on its KV-event stream
+    (``--kv-events-config``): an entry once its job has run (BlockStored: its content key, its
+    tokens), and once dropped (BlockRemoved), medium 'graphchunk'."""
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+    scheduler, hasher = make_scheduler()
+    published = []
+    scheduler.kv_event_publisher.publish = lambda batch: published.extend(batch.events)
+    scheduler.add_request(request("r", SYS + C1 + C2 + Q, [40, 150, 280], hasher))
+    _, work = step(scheduler, done_before=0)
+    assert not [e for e in published if isinstance(e, BlockStored) and e.medium == "graphchunk"]
+    step(scheduler, done_before=3, loaded={"r"})
+    stored = [e for e in published if isinstance(e, BlockStored) and e.medium == "graphchunk"]
+    assert [e.token_ids for e in stored] == [SYS, SYS + C1, SYS + C2]
+    assert [e.block_hashes for e in stored] == [[job.key] for job in work.jobs]
+    step(scheduler, done_before=3)  # r runs its question, finishes later; its entries stay cached
+    while scheduler.requests:
+        step(scheduler, done_before=3)
+    assert scheduler.reset_prefix_cache(reset_connector=True)
+    step(scheduler, done_before=3)
+    removed = [e for e in published if isinstance(e, BlockRemoved) and e.medium == "graphchunk"]
+    assert sorted(h for e in removed for h in e.block_hashes) == sorted(job.key for job in work.jobs)
+
+
+def test_a_blend_request_loaded_asynchronously_recomputes_in_the_step_that_schedules_it(make_scheduler):
+    """Blend's recompute runs the question over the request's own blocks: an asynchronous load
+    copies the context when its jobs have run, and the step that schedules the request fills
+    nothing more but recomputes, over every block the request then has."""
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    scheduler, hasher = make_scheduler()
+    params = SamplingParams(max_tokens=4, extra_args={BOUNDARIES_ARG: [40, 150], "graphchunk_mode": "blend"})
+    scheduler.add_request(Request("b", SYS + C1 + Q, params, None, block_hasher=hasher))
+    _, work = step(scheduler, done_before=0)
+    (load,) = work.loads
+    assert [u.kind for u in load.units] == ["sys", "rotated"] and load.request.policy is not None
+    step(scheduler, done_before=len(work.jobs), loaded={"b"})
+    so, work = step(scheduler, done_before=len(work.jobs))
+    assert so.num_scheduled_tokens == {"b": 20}
+    (fill,) = work.fills
+    assert fill.units == () and (fill.start, fill.end) == (0, 150)
+    assert list(fill.block_ids) == list(so.scheduled_new_reqs[0].block_ids[0]) and len(fill.block_ids) * BLOCK >= 170
+
+
+def test_a_step_admits_all_hit_blend_requests_up_to_the_recompute_budget(make_scheduler):
+    """Blend's recompute runs as graphchunk's own forwards, which vLLM's token budget does not see:
+    a step admits all-hit blend requests until their recompute (``RecomputePolicy.cost``: 30 % of
+    240 chunk tokens and the 20-token question, 92) would pass ``miss_budget`` (here 100), one at least."""
+    import dataclasses
+
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    scheduler, hasher = make_scheduler()
+    context = scheduler.connector._context()
+    context.config = dataclasses.replace(context.config, miss_budget=100)
+
+    def blend(req_id, question):
+        params = SamplingParams(max_tokens=4, extra_args={BOUNDARIES_ARG: [40, 150, 280], "graphchunk_mode": "blend"})
+        return Request(req_id, SYS + C1 + C2 + question, params, None, block_hasher=hasher)
+
+    scheduler.add_request(blend("a", Q))
+    _, work = step(scheduler, done_before=0)
+    jobs = len(work.jobs)
+    step(scheduler, done_before=jobs, loaded={"a"})
+    step(scheduler, done_before=jobs)
+    scheduler.add_request(blend("b", list(range(8000, 8020))))
+    scheduler.add_request(blend("c", list(range(9000, 9020))))
+    so, work = step(scheduler, done_before=jobs)
+    assert [f.req_id for f in work.fills] == ["b"] and "c" not in so.num_scheduled_tokens
+    so, work = step(scheduler, done_before=jobs)
+    assert [f.req_id for f in work.fills] == ["c"] and so.num_scheduled_tokens["c"] == 20
