@@ -182,6 +182,12 @@ def text_sources(paragraphs: list[str], tokenizer):
     return lambda j: TextSource(shuffled[j::NUM_SOURCES], tokenizer)
 
 
+def joined_sources(paragraphs: list[str], tokenizer, *indices: int) -> TextSource:
+    """One ``TextSource`` over sources ``indices`` together (for a module that needs more text)."""
+    sources = text_sources(paragraphs, tokenizer)
+    return TextSource([p for j in indices for p in sources(j).paragraphs], tokenizer)
+
+
 def make_splitter(tokenizer) -> SeparatorSplitter:
     return SeparatorSplitter(tokenizer, CONFIG.separator, **LIMITS)
 

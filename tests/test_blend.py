@@ -263,12 +263,12 @@ def test_worker_runs_blend_as_full_prefill_where_it_cannot_blend():
             "graphchunk_recompute_ratio": 0.3, "graphchunk_recompute_tokens": 4}
 
     def registered(blend: BlendSupport, extra_args: dict):
-        engine = ChunkEngine(GraphChunkConfig(), None, None, None, blend, None, 0)
+        handshake = PoolHandshake(0, 1, 4, None, blend.refusal, blend.check_refusal)  # the workers' to the scheduler
+        engine = ChunkEngine(GraphChunkConfig(), None, None, None, handshake, 0)
         new_req = SimpleNamespace(req_id="r", prompt_token_ids=list(range(12)),
                                   sampling_params=SimpleNamespace(extra_args=extra_args))
         engine._register(new_req)
         request = engine.requests.get("r")
-        handshake = PoolHandshake(0, 1, 4, None, blend.refusal, blend.check_refusal)
         assert handshake.runs(chunk_request(list(range(12)), extra_args, GraphChunkConfig())) == (request is not None)
         return None if request is None else request.policy
 

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from exactness import (BLEND_FULL, BLEND_NONE, FIRST_TOKEN_TOL, LIMITS, LOGPROB_TOL, MAX_TOKENS, Reference,
-                       TextSource, assert_matches_oracle, assert_matches_reference, blend_reference,
-                       measured, sampling, text_sources)  # noqa: F401
+                       assert_matches_oracle, assert_matches_reference, blend_reference,
+                       joined_sources, measured, sampling)  # noqa: F401
 from graphchunk.blend.recompute import RecomputePolicy, cacheblend_tokens, select_tokens
 from graphchunk.engine.frontend import BOUNDARIES_ARG
 from graphchunk.llm import RagPrompt
@@ -30,8 +30,7 @@ COUNTERS = ("lookups", "hits", "misses", "blend_lookups", "blend_hits", "blend_m
 
 @pytest.fixture(scope="module")
 def text(paragraphs, tokenizer):
-    sources = text_sources(paragraphs, tokenizer)  # no other engine module reads sources 14 and 15
-    return TextSource(sources(14).paragraphs + sources(15).paragraphs, tokenizer)
+    return joined_sources(paragraphs, tokenizer, 14, 15)  # no other engine module reads sources 14 and 15
 
 
 @pytest.fixture(scope="module")

@@ -161,7 +161,7 @@ def test_ordinary_requests_load_nothing(make_scheduler):
     scheduler, hasher = make_scheduler()
     scheduler.add_request(request("plain", list(range(2000, 2100)), None, hasher))
     so, work = step(scheduler, done_before=0)
-    assert so.num_scheduled_tokens == {"plain": BUDGET} and work == StepWork(pool_state=work.pool_state)
+    assert so.num_scheduled_tokens == {"plain": BUDGET} and work == StepWork()
     assert not so.has_sync_kv_loads
 
 

@@ -20,7 +20,7 @@ import socket
 
 import pytest
 
-from exactness import LIMITS, assert_matches_oracle, sampling, text_sources
+from exactness import LIMITS, assert_matches_oracle, joined_sources, sampling
 from graphchunk.llm import RagPrompt
 from graphchunk.segments import split_at
 
@@ -105,10 +105,7 @@ def multi_llm(smollm2_path, tmp_path_factory, port, subscriber):
 
 @pytest.fixture(scope="module")
 def text(paragraphs, tokenizer):
-    from exactness import TextSource
-
-    sources = text_sources(paragraphs, tokenizer)  # this module's own engine: any source is fresh here
-    return TextSource(sources(3).paragraphs + sources(4).paragraphs, tokenizer)
+    return joined_sources(paragraphs, tokenizer, 3, 4)  # this module's own engine: any source is fresh here
 
 
 def test_a_segmented_request_is_graphchunks_and_exact(multi_llm, oracle, text, events):

@@ -44,9 +44,9 @@ import pytest
 import torch
 
 import gpu_style
-from exactness import (BLEND_FULL, BLEND_NONE, FIRST_TOKEN_TOL, LIMITS, LOGPROB_TOL, TextSource,
+from exactness import (BLEND_FULL, BLEND_NONE, FIRST_TOKEN_TOL, LIMITS, LOGPROB_TOL,
                        assert_matches_oracle, assert_matches_reference, blend_reference, make_splitter,
-                       measured, run, sampling, text_sources)  # noqa: F401 (measured: the module's fixture)
+                       joined_sources, measured, run, sampling)  # noqa: F401 (measured: the module's fixture)
 from graphchunk.llm import RagPrompt
 from graphchunk.segments import split_at
 
@@ -163,8 +163,7 @@ def flex_llm(smollm2_path):
 @pytest.fixture(scope="module")
 def text(paragraphs, tokenizer):
     """Real text (this module's engine has a pool of its own, so any source really misses)."""
-    sources = text_sources(paragraphs, tokenizer)
-    return TextSource(sources(6).paragraphs + sources(7).paragraphs, tokenizer)
+    return joined_sources(paragraphs, tokenizer, 6, 7)
 
 
 @pytest.fixture(scope="module")

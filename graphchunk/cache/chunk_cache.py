@@ -80,12 +80,6 @@ class ChunkCache:
         self._run(group, device)
         self.runner.recompute(prompts, device)
 
-    def prefill(self, device: KVDevice, seqs: list[PseudoSeq]) -> None:
-        """Computes ``seqs`` in forwards of at most ``max_forward_tokens`` new tokens."""
-        for batch in split_forward_batches(seqs, self.runner.max_forward_tokens):
-            device.prefill(batch)
-            self.metrics.tokens_computed += sum(s.num_new for s in batch)
-
     def _plan(self, prompt: ScheduledPrompt) -> RequestPlan:
         plan = self.planner.plan(prompt.seg, prompt.salt, prompt.mode, prompt.start, prompt.context_end)
         self.runner.add_jobs(plan.jobs)

@@ -69,10 +69,6 @@ class MissJob:
     counted: bool = False
     """A chunk's job (its lookup is counted in the metrics; a sys prompt's is not)."""
 
-    @property
-    def num_new(self) -> int:
-        return len(self.token_ids) - self.num_cached
-
 
 @dataclass
 class _Job:
@@ -133,10 +129,6 @@ class ContextPlanner:
             job.entry.job_id = -1
             for held in job.holds:
                 self.pool.release(held)
-
-    @property
-    def jobs_running(self) -> int:
-        return len(self._running)
 
     # --- one segment ---------------------------------------------------------------------------
 

@@ -46,8 +46,8 @@ class ContextRunner:
         self._queue: deque[_Progress] = deque()
         self.done_before = 0
         """Every job with a smaller id has run."""
-        self._reused: dict[int, tuple[str, int]] = {}
-        """Per queued job: (mode, context tokens plans will copy from its entry)."""
+        self._reused: dict[int, int] = {}
+        """Per queued job: context tokens plans will copy from its entry."""
 
     @property
     def pending_tokens(self) -> int:
@@ -56,15 +56,14 @@ class ContextRunner:
     def add_jobs(self, jobs: Sequence[MissJob]) -> None:
         for job in jobs:
             self._queue.append(_Progress(job, job.num_cached))
-            self._reused[job.job_id] = (job.mode, 0)
+            self._reused[job.job_id] = 0
 
     def count(self, counts) -> None:
         """Adds a plan's counts (``RequestPlan.counts``, its jobs added first) to the metrics."""
         for name, n, what in counts:
             if name == "reused":
-                mode, reused = self._reused.get(what, ("", 0))
-                if what in self._reused:
-                    self._reused[what] = (mode, reused + n)
+                if what in self._reused:  # else its job has run already: computed, not reused
+                    self._reused[what] += n
             elif name == "lookup_seconds":
                 self.metrics.lookup_seconds += n
             else:
@@ -88,10 +87,11 @@ class ContextRunner:
         """One forward's pieces, from the head of the queue, and the jobs it completes (tier
         loads complete without one). Stops before a job whose sys job is still running."""
         batch, finishing, used = [], [], 0
-        running = set()
+        running: set[int] = set()
+        """Jobs written by this forward: a job reading one of them (its sys job) waits for the next."""
         for progress in self._queue:
             job = progress.job
-            if used >= cap or _reads_sys_of(job, running):
+            if used >= cap or job.after in running:
                 break
             if not progress.started:
                 progress.started = True
@@ -105,7 +105,7 @@ class ContextRunner:
             end = progress.computed + take
             batch.append(PseudoSeq(job.token_ids[:end], np.arange(end), job.block_ids, progress.computed))
             progress.computed, used = end, used + take
-            running.add(job)
+            running.add(job.job_id)
             if end == len(job.token_ids):
                 finishing.append(progress)
             else:
@@ -116,12 +116,12 @@ class ContextRunner:
         head = self._queue.popleft()
         assert head is progress, "jobs finish in id order"
         job = progress.job
-        mode, reused = self._reused.pop(job.job_id)
+        reused = self._reused.pop(job.job_id)
         if progress.loaded:  # a tier hit, not a miss; the tokens copied from it are reused
             if job.counted:
-                self.metrics.count("tier_hits", 1, mode)
-                self.metrics.count("misses", -1, mode)
-            self.metrics.count("tokens_reused", reused, mode)
+                self.metrics.count("tier_hits", 1, job.mode)
+                self.metrics.count("misses", -1, job.mode)
+            self.metrics.count("tokens_reused", reused, job.mode)
         if self.tier is not None and not progress.loaded:
             self.tier.save(job.key, job.entry_tokens, job.num_tokens, job.mode, device.read_blocks(job.entry_blocks))
         self.done_before = job.job_id + 1
@@ -167,7 +167,3 @@ class ContextRunner:
             recompute(blended, device, check_layer=self.check_layer, budget=self.max_forward_tokens,
                       block_size=self.block_size, metrics=self.metrics)
 
-
-def _reads_sys_of(job: MissJob, running: set) -> bool:
-    """Whether ``job`` reads KV that a job earlier in this forward writes."""
-    return job.after >= 0 and any(other.job_id == job.after for other in running)

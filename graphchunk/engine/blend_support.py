@@ -4,7 +4,8 @@ Blend needs keys it can move (``blend/rope.py``); CacheBlend also a decoder whos
 be narrowed for its check pass (``first_layers``). Without them blend is refused at
 start-up when it is the deployment's default mode; otherwise the API process refuses blend
 requests from the model's config (``rope.hf_rope_refusal``), and a blend request that still
-arrives at the worker runs as a full prefill (``runs`` is False): exactly blend's target.
+arrives runs as a full prefill (``refusal`` / ``check_refusal`` go to the scheduler's connector in
+the workers' handshake: ``context_scheduler.PoolHandshake.runs``): exactly blend's target.
 """
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ from dataclasses import dataclass
 
 import torch
 
-from graphchunk.blend.recompute import RecomputePolicy
 from graphchunk.blend.rope import KeyRotation
 from graphchunk.config import ConfigError, GraphChunkConfig
 from graphchunk.log import logger
@@ -26,10 +26,6 @@ class BlendSupport:
     refusal: str | None = None
     check_refusal: str | None = None
     """Why CacheBlend's check pass cannot run on this model; None: it can."""
-
-    def runs(self, policy: RecomputePolicy) -> bool:
-        """Whether a blend request with ``policy`` runs as blend here (else as a full prefill)."""
-        return self.rotation is not None and not (policy.needs_check and self.check_refusal)
 
     @classmethod
     def of(cls, model, max_model_len: int, config: GraphChunkConfig) -> "BlendSupport":

@@ -30,7 +30,6 @@ import torch
 
 from graphchunk.cache.context_run import ContextRunner
 from graphchunk.config import GraphChunkConfig
-from graphchunk.engine.blend_support import BlendSupport
 from graphchunk.engine.connector import work_of
 from graphchunk.engine.context_scheduler import ContextLoad, PoolHandshake
 from graphchunk.engine.frontend import UNCHUNKED_ARG, ChunkRequest, chunk_request
@@ -46,9 +45,9 @@ class ChunkEngine:
     metrics: CacheMetrics
     runner: ContextRunner
     kv: RunnerKV
-    blend: BlendSupport
     pool: PoolHandshake
-    """The pool's geometry and key space, and what the model allows of blend mode (the handshake)."""
+    """The pool's geometry and key space, and what the model allows of blend mode (the handshake:
+    the scheduler's connector and the worker decide which requests run segmented by one rule)."""
     max_num_batched_tokens: int
     counts: BucketCounts | None = None
     """The grid's bucket counts (``graphchunk.templates``); None: no grid."""
@@ -73,9 +72,6 @@ class ChunkEngine:
         work = work_of(so.kv_connector_metadata)
         self.runner.add_jobs(work.jobs)
         self.runner.count(work.counts)
-        for name, value in work.pool_state.items():
-            if name != "pool_utilization":  # derived
-                setattr(self.metrics, name, value)
         self.loads += work.loads
         budget = self.config.miss_budget
         if not so.total_num_scheduled_tokens:  # nothing else runs: the step may take as much as vLLM's
@@ -97,7 +93,7 @@ class ChunkEngine:
         if args.get(UNCHUNKED_ARG):
             self.metrics.documents_unchunked += 1
         request = chunk_request(new_req.prompt_token_ids, args, self.config)
-        if request is None or (request.policy is not None and not self.blend.runs(request.policy)):
+        if request is None or not self.pool.runs(request):
             return  # an ordinary prompt: vLLM computes the full prefill (blend's target, too)
         self.requests[new_req.req_id] = request
 
@@ -154,7 +150,7 @@ class ChunkEngine:
     def publish(self) -> None:
         """After each step, in a process that exports its metrics (a metrics file is named,
         ``metrics.METRICS_FILE_ENV``: the API server's, or a GraphChunkLLM's): publishes the
-        counters (the pool's own as of the step's metadata)."""
+        worker's counters (the pool's own are published where vLLM schedules)."""
         if self.publisher is not None:
             self.publisher.publish(self.metrics)
 

@@ -16,8 +16,8 @@ Per segmented request (``ChunkRequest``, read once from what graphchunk's fronte
               blend's recompute, which runs the question over the request's own blocks, waits
               for the step that schedules the request, when the question has its blocks: a fill
               with nothing to copy).
-``metadata``  (vLLM builds the step's metadata) sends the step's new jobs, fills and loads, the
-              plans' counts and the pool's state; a plan is released once its copies are sent
+``metadata``  (vLLM builds the step's metadata) sends the step's new jobs, fills and loads and
+              the plans' counts (the pool's own metrics are published from here); a plan is released once its copies are sent
               (workers run steps in order, so nothing evicted afterwards is copied too late).
 ``reported``  the workers' first unfinished job: earlier jobs' entries become ready.
 ``finished``  releases what a finished, aborted or preempted-and-dropped request still holds.
@@ -98,7 +98,6 @@ class StepWork:
     loads: tuple[ContextLoad, ...] = ()
     """Filled by the workers once the jobs up to ``needs`` have run, then reported loaded."""
     counts: tuple = ()
-    pool_state: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -125,7 +124,7 @@ class ContextScheduler:
         path = os.environ.get(METRICS_FILE_ENV)
         self.publisher = MetricsPublisher(path, POOL_FIELDS) if path else None
         """Publishes the pool's metrics for the API process's /metrics (the workers publish theirs)."""
-        self.pool_state()
+        self.publish()
         self._requests: dict[str, _Request] = {}
         self._jobs: list[MissJob] = []
         self._fills: list[ContextLoad] = []
@@ -192,23 +191,22 @@ class ContextScheduler:
             state.waiting = True
 
     def metadata(self) -> StepWork:
-        work = StepWork(tuple(self._jobs), tuple(self._fills), tuple(self._loads), tuple(self._counts),
-                        self.pool_state())
+        self.publish()
+        work = StepWork(tuple(self._jobs), tuple(self._fills), tuple(self._loads), tuple(self._counts))
         self._jobs, self._fills, self._loads, self._counts = [], [], [], []
         self._recompute_tokens = 0
         return work
 
-    def pool_state(self) -> dict[str, float]:
-        """The pool's metrics, audited, published, and sent to the workers (their ``stats()``)."""
+    def publish(self) -> None:
+        """Audits the pool and publishes its metrics (``POOL_FIELDS``) for /metrics and ``GraphChunkLLM.stats``."""
         self.pool.audit()
         if self.publisher is not None:
             self.publisher.publish(self.metrics)
-        return {name: getattr(self.metrics, name) for name in POOL_FIELDS}
 
     def reported(self, done_before: int) -> None:
         self._done_before = max(self._done_before, done_before)
         self.planner.finish_jobs(self._done_before)
-        self.pool_state()
+        self.publish()
 
     def loaded(self, req_id: str) -> None:
         """The workers filled the request's context (its asynchronous load is complete)."""
@@ -222,7 +220,7 @@ class ContextScheduler:
         state = self._requests.pop(req_id, None)
         if state is not None:
             self._drop_plan(state)
-            self.pool_state()
+            self.publish()
 
     def reset(self) -> int:
         return self.pool.clear()

@@ -65,7 +65,6 @@ def bind_engine(runner, config: GraphChunkConfig, first_pool_block: int) -> Chun
     metrics = CacheMetrics()
     block_size = runner.cache_config.block_size
     pool_blocks = config.pool_blocks(block_size)
-    metrics.pool_blocks_total = pool_blocks
     tier = _tier(runner, config, layers, copier, slot_map, metrics) if config.store_path else None
     model = runner.model_config
     # With a tier, keys name the weights (shared with other servers), else the model's path.
@@ -79,7 +78,7 @@ def bind_engine(runner, config: GraphChunkConfig, first_pool_block: int) -> Chun
     path = os.environ.get(METRICS_FILE_ENV)
     logger.info("graphchunk: chunk pool of %d blocks (%d tokens) at block ids [%d, %d)", pool_blocks,
                 pool_blocks * block_size, first_pool_block, first_pool_block + pool_blocks)
-    engine = ChunkEngine(config, metrics, context_runner, RunnerKV(runner, copier, blend, layers), blend, handshake,
+    engine = ChunkEngine(config, metrics, context_runner, RunnerKV(runner, copier, blend, layers), handshake,
                          max_tokens, counts, MetricsPublisher(path, WORKER_FIELDS) if path else None)
     WORKER.engine = engine
     return engine
