@@ -125,6 +125,18 @@ class Client:
         return out
 
     def complete(self, item: Item, out: Outcome) -> None:
+        body = self.post(item, out)
+        if body is None:
+            return
+        choice = body["choices"][0]
+        out.prompt_ids, out.token_ids = choice.get("prompt_token_ids"), choice.get("token_ids")
+        out.completion_tokens = body.get("usage", {}).get("completion_tokens", len(out.token_ids or ()))
+        out.status = "ok"
+        self.estimates.add("latency", time.monotonic() - out.start)
+        self.close()
+
+    def post(self, item: Item, out: Outcome) -> dict | None:
+        """The completed (not streamed) answer's body, or None with ``out.error`` set."""
         # A connection per request: a kept-alive one would go stale across the restart (and
         # uvicorn closes idle ones after 5 s while the clients wait at the restart barrier).
         self.close()
@@ -135,14 +147,8 @@ class Client:
         raw = resp.read()
         if resp.status != 200:
             out.error = f"HTTP {resp.status}: {raw[:300]!r}"
-            return
-        body = json.loads(raw)
-        choice = body["choices"][0]
-        out.prompt_ids, out.token_ids = choice.get("prompt_token_ids"), choice.get("token_ids")
-        out.completion_tokens = body.get("usage", {}).get("completion_tokens", len(out.token_ids or ()))
-        out.status = "ok"
-        self.estimates.add("latency", time.monotonic() - out.start)
-        self.close()
+            return None
+        return json.loads(raw)
 
     def _streamed(self, item: Item, out: Outcome, wait_before_first_token: float | None) -> None:
         """Streams; disconnects after the first token event, or (``wait_before_first_token`` set)

@@ -200,15 +200,17 @@ class Servers:
         self.sampling = threading.Event()
 
     def start(self, name: str, worker_cls: str | None, store_root: Path | None, port: int,
-              log_requests: bool = False) -> VllmServer:
-        """Starts ``current`` and waits until it is healthy."""
+              log_requests: bool = False, settings: dict | None = None) -> VllmServer:
+        """Starts ``current`` and waits until it is healthy; ``settings``: graphchunk's, instead of
+        the soak's (``graphchunk_settings``)."""
         log_path = self.log_dir / f"{name}.log"
         # Soak servers log "Added request X." / "Request X aborted." (AsyncLLM), which counts the
         # disconnects the engine saw; throughput servers log nothing per request.
         flags = server_flags(self.args)
         if log_requests:
             flags += ["--enable-log-requests", "--max-log-len", "0"]
-        settings = graphchunk_settings(self.args, self.pool_tokens, self.max_chunk_len, store_root)
+        if settings is None:
+            settings = graphchunk_settings(self.args, self.pool_tokens, self.max_chunk_len, store_root)
         server = VllmServer(self.model_path, dtype=self.args.dtype, port=port, log_path=log_path,
                             graphchunk=settings if worker_cls else None, flags=flags, worker_cls=worker_cls)
         self.logs.append(str(log_path))

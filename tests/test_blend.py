@@ -223,6 +223,22 @@ def test_question_policy_without_its_question_in_the_step_ranks_by_deviation():
     assert (cc.metrics.blend_question_fallbacks, cc.metrics.blend_tokens_scored) == (1, 2)
 
 
+def test_question_policy_whose_question_has_only_part_of_its_blocks_ranks_by_deviation():
+    """vLLM allocates blocks for the tokens a step schedules: when the step's budget takes only part
+    of the question, the request has no slots for the rest, where the scoring pass would write its
+    KV. It ranks by deviation instead (a fallback), and never writes beyond the request's blocks."""
+    a = make_prompt(3, [5, 6], q_len=9)  # context 14, question 14..22: 6 blocks of 4
+    device, cc = BlendDevice(check_keys={5: 4.0, 7: 1.0}), blend_cache()
+    blocks = request_blocks(0, a)[:4]  # context and two question tokens
+    prompt = ScheduledPrompt(a, None, 0, a.layout.num_tokens, blocks, RecomputePolicy("question", 0.2))
+    cc.materialize([prompt], device)
+    assert not any(call[0] == "scored" for call in device.calls)
+    assert (cc.metrics.blend_question_fallbacks, cc.metrics.blend_tokens_scored) == (1, 0)
+    whole = ScheduledPrompt(a, None, 0, a.layout.num_tokens, request_blocks(100, a), RecomputePolicy("question", 0.2))
+    cc.materialize([whole], device)
+    assert cc.metrics.blend_tokens_scored == 9
+
+
 def test_legolink_recomputes_chunk_starts_within_the_step_range():
     a = make_prompt(3, [5, 6, 4])  # chunks at 3, 8, 14
     device, cc = BlendDevice(), blend_cache()

@@ -271,3 +271,66 @@ def test_small_pool_over_a_tier_computes_each_entry_once(picks, pools):
     distinct = {d for pick in picks for d in pick}
     assert device.forward_tokens == 3 + sum(len(docs[d]) for d in distinct)
     assert cc.metrics.misses == len(distinct) and tier.saves == 1 + len(distinct)
+
+
+# --- the epoch check: a copy reads only what it planned (context_run.py) ------------------------
+
+def planned_hit(cc, seg, first_block):
+    """``seg``'s context, computed into the pool, then planned again as all hits (units and all)."""
+    prompt = ScheduledPrompt(seg, None, 0, seg.layout.num_tokens, request_blocks(first_block, seg))
+    plan = cc.planner.plan(seg, None, "isolated", 0, seg.layout.context_len)
+    cc.runner.add_jobs(plan.jobs)
+    cc.runner.run_jobs(FakeDevice())
+    cc.planner.finish_jobs(cc.runner.done_before)
+    cc.planner.release(plan)
+    return prompt, cc.planner.plan(seg, None, "isolated", 0, seg.layout.context_len)
+
+
+def test_a_copy_from_blocks_a_later_entry_took_fails_the_request_instead_of_reading_them():
+    """A lifetime bug made visible: the plan's entries released too early, evicted, and their blocks
+    rewritten by another entry's job before the copy ran. The copy does not run; the request's
+    blocks from its first filled one on are reported invalid (vLLM fails it and evicts them)."""
+    a, b = make_prompt(3, [5, 6]), make_prompt(3, [7, 6], base=50)
+    device, cc = FakeDevice(), cache(num_blocks=8)  # a's entries take 6 blocks, b's 7
+    prompt, plan = planned_hit(cc, a, first_block=0)
+    cc.planner.release(plan)  # the bug: released before its copy ran
+    other = cc.planner.plan(b, None, "isolated", 0, b.layout.context_len)  # evicts a's entries
+    cc.runner.add_jobs(other.jobs)
+    cc.runner.run_jobs(device)
+    assert {blk for u in plan.units for blk in u.entry_blocks} & {blk for j in other.jobs for blk in j.entry_blocks}
+    filled = cc.runner.fill([(prompt, plan.units)], device)
+    assert filled == [] and cc.runner.take_invalid() == set(prompt.block_ids)
+    assert not any(device.slot(prompt.block_ids, t) in device.kv for t in range(a.layout.context_len))
+    assert cc.runner.take_invalid() == set()  # reported once
+
+
+def test_copies_from_blocks_their_entry_still_holds_pass_the_check():
+    a = make_prompt(3, [5, 6])
+    device, cc = FakeDevice(), cache()
+    prompt = ScheduledPrompt(a, None, 0, a.layout.num_tokens, request_blocks(0, a))
+    plan = cc.planner.plan(a, None, "isolated", 0, a.layout.context_len)
+    cc.runner.add_jobs(plan.jobs)
+    cc.runner.run_jobs(device)
+    cc.planner.finish_jobs(cc.runner.done_before)
+    assert cc.runner.fill([(prompt, plan.units)], device) == [prompt] and cc.runner.take_invalid() == set()
+    check_context(device, prompt)
+
+
+def test_a_job_reading_blocks_that_changed_poisons_its_entry():
+    """An isolated chunk's job reads its sys entry's blocks: if they no longer hold that entry, the
+    chunk's entry is poisoned, never written to the tier, and every copy from it fails."""
+    a = make_prompt(6, [5])
+    device, cc = FakeDevice(), cache()
+    plan = cc.planner.plan(a, None, "isolated", 0, a.layout.context_len)
+    sys_job, chunk_job = plan.jobs
+    cc.runner.add_jobs([sys_job])
+    cc.runner.run_jobs(device)
+    for block in sys_job.entry_blocks:
+        cc.runner.epochs[block] += 1000  # another entry's job wrote there meanwhile
+    cc.runner.add_jobs([chunk_job])
+    cc.runner.run_jobs(device)
+    cc.planner.finish_jobs(cc.runner.done_before)
+    prompt = ScheduledPrompt(a, None, 0, a.layout.num_tokens, request_blocks(0, a))
+    chunk_unit = [u for u in plan.units if u.kind == "chunk"]
+    assert cc.runner.fill([(prompt, chunk_unit)], device) == []
+    assert cc.runner.take_invalid() == set(prompt.block_ids[chunk_unit[0].lo // BS:])

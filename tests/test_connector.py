@@ -136,25 +136,56 @@ def test_a_request_waiting_for_another_ones_job_needs_it(make_scheduler):
     assert not second.jobs and load.needs == first.loads[0].needs  # computed once, waited for twice
 
 
-def test_a_full_pool_defers_a_request_and_an_abort_releases_its_plan(make_scheduler):
+def test_a_full_pool_defers_a_request_an_abort_releases_its_plan_and_one_that_never_fits_is_refused(make_scheduler):
+    """A request waits while other requests' entries hold the pool; once nothing holds it, a request
+    whose context cannot fit even the empty pool is refused (its fill carries the reason: the workers
+    fail it through vLLM's KV-load-failure path) instead of waiting forever."""
     scheduler, hasher = make_scheduler(pool_blocks=8)
-    scheduler.add_request(request("a", SYS + C1 + C2 + Q, [40, 150, 280], hasher))  # needs 2 + 5 + 5 blocks
-    so, work = step(scheduler, done_before=0)
-    assert so.num_scheduled_tokens == {} and not work.loads and not work.jobs  # asked again later
     scheduler.add_request(request("b", SYS + C1 + Q, [40, 150], hasher))  # fits: 2 + 5 blocks
     so, work = step(scheduler, done_before=0)
     assert [load.req_id for load in work.loads] == ["b"]
+    scheduler.add_request(request("a", SYS + C1 + C2 + Q, [40, 150, 280], hasher))  # needs 2 + 5 + 5 blocks
+    so, work = step(scheduler, done_before=0)
+    assert so.num_scheduled_tokens == {} and not work.loads and not work.jobs and not work.fills  # asked again later
     pool = scheduler.connector._context().pool
     assert pool.metrics.pool_refs_held > 0
     from vllm.v1.request import RequestStatus
 
     scheduler.finish_requests(["b"], RequestStatus.FINISHED_ABORTED)
-    step(scheduler, done_before=2, loaded={"b"})  # its jobs ran; vLLM frees it once reported
+    step(scheduler, done_before=2)  # the workers report b's jobs run (after this step's schedule)
+    so, work = step(scheduler, done_before=2)  # nothing holds the pool now: a can never fit
+    (fill,) = work.fills
+    assert fill.req_id == "a" and "cannot fit the chunk pool even when empty" in fill.refused and not fill.units
+    assert so.num_scheduled_tokens == {"a": 20}
     scheduler.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
     step(scheduler, done_before=2)
     pool.audit()
     assert pool.metrics.pool_refs_held == 0
     pool.check_invariants()
+
+
+def test_a_fill_holds_its_entries_until_the_step_is_sent_whatever_vllm_plans_after_it(make_scheduler):
+    """One schedule() plans an all-hit request, then a request whose misses need room: the second
+    must not evict what the first copies in this very step (the workers run a step's jobs before its
+    fills). Found as wrong tokens for the all-hit prompt of one request body."""
+    scheduler, hasher = make_scheduler(pool_blocks=16)
+    scheduler.add_request(request("a", SYS + C1 + C2 + Q, [40, 150, 280], hasher))  # 2 + 4 + 5 of 16 blocks
+    step(scheduler, done_before=0)
+    step(scheduler, done_before=3, loaded={"a"})
+    while scheduler.has_unfinished_requests():
+        step(scheduler, done_before=3)
+    c3, c4 = list(range(7000, 7110)), list(range(8000, 8130))
+    scheduler.add_request(request("a-reversed", SYS + C2 + C1 + Q, [40, 170, 280], hasher))
+    scheduler.add_request(request("b", SYS + c3 + c4 + Q, [40, 150, 280], hasher))  # 9 new blocks, 5 free
+    so, work = step(scheduler, done_before=3)
+    (fill,) = work.fills
+    read = {block for unit in fill.units for block in unit.entry_blocks}
+    written = {block for job in work.jobs for block in job.entry_blocks}
+    assert fill.req_id == "a-reversed" and not read & written
+    assert "b" not in so.num_scheduled_tokens  # it waits for room: the fill's entries were in use
+    so, work = step(scheduler, done_before=3)  # released once the step was sent: b's misses evict now
+    assert [load.req_id for load in work.loads] == ["b"] and len(work.jobs) == 2
+    assert {block for job in work.jobs for block in job.entry_blocks} & read
 
 
 def test_ordinary_requests_load_nothing(make_scheduler):
@@ -186,6 +217,11 @@ def test_connector_config_adds_graphchunks_connector_or_refuses_one_without_it()
     assert connector_config(multi) is multi
     with pytest.raises(ConfigError, match="--kv-transfer-config names 'ExampleConnector' without graphchunk"):
         connector_config(KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both"))
+    # graphchunk fails a request whose fill is wrong through vLLM's KV-load-failure path: 'recompute'
+    # would compute its context as an ordinary causal prompt instead
+    with pytest.raises(ConfigError, match="kv_load_failure_policy='recompute'"):
+        connector_config(KVTransferConfig(kv_connector=KV_CONNECTOR, kv_role="kv_consumer",
+                                          kv_load_failure_policy="recompute"))
 
 
 def test_pool_entries_stored_and_removed_are_published_as_kv_events(make_scheduler):
@@ -213,25 +249,30 @@ def test_pool_entries_stored_and_removed_are_published_as_kv_events(make_schedul
     assert sorted(h for e in removed for h in e.block_hashes) == sorted(job.key for job in work.jobs)
 
 
-def test_a_blend_request_loaded_asynchronously_recomputes_in_the_step_that_schedules_it(make_scheduler):
-    """Blend's recompute runs the question over the request's own blocks: an asynchronous load
-    copies the context when its jobs have run, and the step that schedules the request fills
-    nothing more but recomputes, over every block the request then has."""
+def test_a_blend_request_with_misses_waits_unallocated_then_loads_in_the_step_that_schedules_it(make_scheduler):
+    """vLLM publishes an asynchronous load's blocks to its prefix cache when the load completes, but
+    blend's recompute runs the question over the request's own blocks, so it can only run once the
+    request is scheduled: a blend request with misses is not loaded asynchronously. It waits, its
+    jobs sent, without blocks; once they have run it loads synchronously (fill and recompute before
+    the forward of the step that schedules it)."""
     from vllm import SamplingParams
-    from vllm.v1.request import Request
+    from vllm.v1.request import Request, RequestStatus
 
     scheduler, hasher = make_scheduler()
     params = SamplingParams(max_tokens=4, extra_args={BOUNDARIES_ARG: [40, 150], "graphchunk_mode": "blend"})
     scheduler.add_request(Request("b", SYS + C1 + Q, params, None, block_hasher=hasher))
-    _, work = step(scheduler, done_before=0)
-    (load,) = work.loads
-    assert [u.kind for u in load.units] == ["sys", "rotated"] and load.request.policy is not None
-    step(scheduler, done_before=len(work.jobs), loaded={"b"})
-    so, work = step(scheduler, done_before=len(work.jobs))
+    so, work = step(scheduler, done_before=0)
+    assert not work.loads and not work.fills and len(work.jobs) == 2 and not so.num_scheduled_tokens
+    assert scheduler.requests["b"].status == RequestStatus.WAITING  # not WAITING_FOR_REMOTE_KVS: no blocks
+    assert scheduler.kv_cache_manager.get_block_ids("b") == ([],)
+    so, work = step(scheduler, done_before=0)  # still running: no new jobs, nothing scheduled
+    assert not work.jobs and not so.num_scheduled_tokens
+    so, work = step(scheduler, done_before=2)  # reported after this step's schedule
+    so, work = step(scheduler, done_before=2)
     assert so.num_scheduled_tokens == {"b": 20}
     (fill,) = work.fills
-    assert fill.units == () and (fill.start, fill.end) == (0, 150)
-    assert list(fill.block_ids) == list(so.scheduled_new_reqs[0].block_ids[0]) and len(fill.block_ids) * BLOCK >= 170
+    assert [u.kind for u in fill.units] == ["sys", "rotated"] and fill.request.policy is not None
+    assert (fill.start, fill.end) == (0, 150) and list(fill.block_ids) == list(so.scheduled_new_reqs[0].block_ids[0])
 
 
 def test_a_step_admits_all_hit_blend_requests_up_to_the_recompute_budget(make_scheduler):
@@ -254,8 +295,8 @@ def test_a_step_admits_all_hit_blend_requests_up_to_the_recompute_budget(make_sc
     scheduler.add_request(blend("a", Q))
     _, work = step(scheduler, done_before=0)
     jobs = len(work.jobs)
-    step(scheduler, done_before=jobs, loaded={"a"})
-    step(scheduler, done_before=jobs)
+    while scheduler.has_unfinished_requests():
+        step(scheduler, done_before=jobs)
     scheduler.add_request(blend("b", list(range(8000, 8020))))
     scheduler.add_request(blend("c", list(range(9000, 9020))))
     so, work = step(scheduler, done_before=jobs)

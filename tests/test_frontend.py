@@ -30,7 +30,7 @@ def test_separator_prompt_gets_boundaries_and_a_layout_salt(tokenizer, annotator
     req = request(tokenizer, "Sys. ## Doc one. ## Doc two. ## Question?", salt="tenant")
     annotator.annotate(req)
     args = req.sampling_params.extra_args
-    assert len(args[BOUNDARIES_ARG]) == 3 and args[SALT_ARG] == "tenant"
+    assert len(args[BOUNDARIES_ARG]) == 3 and args[SALT_ARG] == '["tenant"]'
     assert req.cache_salt.startswith("tenant|graphchunk:")
 
 
@@ -38,7 +38,42 @@ def test_lora_adapter_is_part_of_the_chunk_salt(tokenizer, annotator):
     req = request(tokenizer, "Sys. ## Doc one. ## Question?", salt="tenant")
     req.lora_request = SimpleNamespace(lora_name="legal-v2")
     annotator.annotate(req)
-    assert req.sampling_params.extra_args[SALT_ARG] == "tenant|lora:legal-v2"
+    assert req.sampling_params.extra_args[SALT_ARG] == '["tenant", "legal-v2"]'
+    # no salt a client sends without an adapter reads as a salt and an adapter
+    forged = request(tokenizer, "Sys. ## Doc one. ## Question?", salt='["tenant", "legal-v2"]')
+    annotator.annotate(forged)
+    assert forged.sampling_params.extra_args[SALT_ARG] != req.sampling_params.extra_args[SALT_ARG]
+
+
+@pytest.mark.parametrize("salt", ["|graphchunk:0123456789abcdef", "tenant|graphchunk:blend:none:00"])
+@pytest.mark.parametrize("text", ["Sys. ## Doc one. ## Question?", "An ordinary prompt."])
+def test_a_client_salt_carrying_graphchunks_mark_is_refused(tokenizer, annotator, salt, text):
+    """Whoever sends graphchunk's mark could read segmented KV from vLLM's prefix cache with an
+    ordinary prompt (or plant causal KV where segmented requests read): refused, naming cache_salt."""
+    with pytest.raises(SegmentationError, match="cache_salt must not contain '\\|graphchunk:'"):
+        annotator.annotate(request(tokenizer, text, salt=salt))
+
+
+def test_skip_reading_prefix_cache_is_refused_for_segmented_prompts(tokenizer, annotator):
+    """vLLM skips the KV connectors of such a request: its context would run causally under graphchunk's salt."""
+    req = request(tokenizer, "Sys. ## Doc one. ## Question?", skip_reading_prefix_cache=True)
+    with pytest.raises(SegmentationError, match="skip_reading_prefix_cache"):
+        annotator.annotate(req)
+    ordinary = request(tokenizer, "An ordinary prompt.", skip_reading_prefix_cache=True)
+    annotator.annotate(ordinary)  # runs as vanilla vLLM, which honours it
+    assert ordinary.cache_salt is None
+
+
+def test_ranking_blend_policies_never_share_vllms_prefix_cache(tokenizer):
+    """cacheblend and question rank the context: a request that hit part of another's context in
+    vLLM's prefix cache would rank only the rest, over KV the other's recompute changed. Their salt
+    carries a nonce; policies that pick by position share as before."""
+    ranked = [annotated(tokenizer, **{MODE_ARG: "blend", RECOMPUTE_ARG: name}).cache_salt
+              for name in ("question", "question", "cacheblend", "cacheblend")]
+    assert len(set(ranked)) == 4
+    for extra in ({RECOMPUTE_ARG: "legolink"}, {RECOMPUTE_ARG: "none"}, {RECOMPUTE_ARG: "cacheblend", RATIO_ARG: 1}):
+        salts = {annotated(tokenizer, **{MODE_ARG: "blend", **extra}).cache_salt for _ in range(2)}
+        assert len(salts) == 1
 
 
 def test_multimodal_segmented_prompt_is_refused(tokenizer, annotator):
@@ -252,8 +287,9 @@ def test_blend_salt_follows_context_and_policy(tokenizer):
     # Identical requests (defaults resolved or spelled out) share it: prefix-cache hits stay possible.
     assert annotated(tokenizer, **lego).cache_salt == blend
     assert annotated(tokenizer, **lego, **{TOKENS_ARG: 15}).cache_salt == blend
-    assert annotated(tokenizer, **{MODE_ARG: "blend"}).cache_salt == \
-        annotated(tokenizer, **{MODE_ARG: "blend", RECOMPUTE_ARG: "question", RATIO_ARG: 0.3}).cache_salt
+    # (ranking policies carry a nonce: never shared, test_ranking_blend_policies_never_share_vllms_prefix_cache)
+    assert annotated(tokenizer, **{MODE_ARG: "blend"}).cache_salt.rsplit(":", 1)[0] == \
+        annotated(tokenizer, **{MODE_ARG: "blend", RECOMPUTE_ARG: "question", RATIO_ARG: 0.3}).cache_salt.rsplit(":", 1)[0]
     cacheblend = {MODE_ARG: "blend", RECOMPUTE_ARG: "cacheblend"}
     assert annotated(tokenizer, **cacheblend, **{RATIO_ARG: 1}).cache_salt == \
         annotated(tokenizer, **cacheblend, **{RATIO_ARG: 1.0}).cache_salt
@@ -280,12 +316,13 @@ def test_blend_salt_follows_context_and_policy(tokenizer):
     # The request's own salt still separates tenants.
     other_tenant = request(tokenizer, RAG, salt="other", extra_args=dict(lego))
     ann.annotate(other_tenant)
-    assert other_tenant.cache_salt != blend and other_tenant.sampling_params.extra_args[SALT_ARG] == "other"
+    assert other_tenant.cache_salt != blend and other_tenant.sampling_params.extra_args[SALT_ARG] == '["other"]'
 
 
 def test_resolved_arguments_resolve_to_themselves(tokenizer):
     req = annotated(tokenizer, BLEND_CONFIG, **{RATIO_ARG: 0.5})
     first = resolved(req)
+    req.cache_salt = "tenant"  # (the marked salt is graphchunk's own: a client sending it is refused)
     RequestAnnotator(ISOLATED_CONFIG, tokenizer).annotate(req)  # another default mode
     assert resolved(req) == first
 

@@ -204,6 +204,11 @@ BAD = {
     "boundaries-empty-question": (dict(prompt=_ids(8), vllm_xargs={"graphchunk_boundaries": [2, 8]}),
                                   "question .* is empty"),
     "prompt-logprobs": (dict(prompt=rag_text(DOCS[:1]), prompt_logprobs=1), "prompt_logprobs"),
+    # graphchunk's own salt mark: on an ordinary prompt it would read a segmented request's KV
+    "forged-salt": (dict(prompt="Hello there", cache_salt="|graphchunk:0123456789abcdef"),
+                    r"cache_salt must not contain '\|graphchunk:'"),
+    "forged-salt-segmented": (dict(prompt=rag_text(DOCS[:1]), cache_salt="tenant|graphchunk:blend:none:00"),
+                              "cache_salt must not contain"),
     "mode-unknown": (dict(prompt=rag_text(DOCS[:1]), vllm_xargs={"graphchunk_mode": "fast"}),
                      r"graphchunk_mode must be one of \('isolated', 'blend'\), got 'fast'"),
     "recompute-unknown": (dict(prompt=rag_text(DOCS[:1]), vllm_xargs={"graphchunk_mode": "blend",

@@ -7,7 +7,8 @@ from graphchunk.config import ConfigError, GraphChunkConfig
 from graphchunk.engine.worker import check_config
 
 
-_GRAPHCHUNK_CONNECTOR = SimpleNamespace(kv_connector="GraphChunkConnector", has_connector=lambda name: name == "GraphChunkConnector")
+_GRAPHCHUNK_CONNECTOR = SimpleNamespace(kv_connector="GraphChunkConnector", has_connector=lambda name: name == "GraphChunkConnector",
+                                        kv_load_failure_policy="fail")
 
 
 def vllm_config(**overrides):

@@ -18,7 +18,8 @@ before them. Policies:
                 most (softmax probability summed over its tokens, heads and layers) is recomputed
                 through all layers. The question must be scheduled in the same step as the chunk
                 tokens it ranks; a step of chunked prefill that fills context without its question
-                (or a question longer than a forward's budget) ranks by CacheBlend's deviation
+                (or a question longer than a forward's budget, or one whose blocks vLLM has not
+                all allocated yet: vLLM scheduled only part of it) ranks by CacheBlend's deviation
                 instead, counted in ``blend_question_fallbacks``.
 
 cacheblend and question take two refinements (``select_tokens``): ``sinks``, the first tokens of
@@ -151,7 +152,7 @@ def recompute(prompts, device, *, check_layer: int, budget: int, block_size: int
         if policy.name == "legolink":
             spans = prompt.seg.bounds[1:-1]
             picks[n] = np.intersect1d(legolink_tokens(spans, policy.tokens), candidates)
-        elif policy.needs_check and policy.name == "question" and _question_fits(prompt, budget):
+        elif policy.needs_check and policy.name == "question" and _question_fits(prompt, budget, block_size):
             asked.append((n, candidates))
         elif policy.needs_check:
             checked.append((n, candidates))
@@ -186,10 +187,13 @@ def _check(prompts, checked, device, check_layer: int, budget: int, block_size: 
     return picks
 
 
-def _question_fits(prompt, budget: int) -> bool:
-    """The step schedules the whole question, and it fits one forward."""
+def _question_fits(prompt, budget: int, block_size: int) -> bool:
+    """The question fits one forward, and the request's blocks hold all of it: the scoring pass
+    writes its KV there. vLLM allocates blocks for the tokens it schedules, so a question that
+    shares its step's token budget with other requests may have only part of them yet."""
     lay = prompt.seg.layout
-    return prompt.end >= lay.num_tokens and lay.question_len <= budget
+    return prompt.end >= lay.num_tokens and lay.question_len <= budget and \
+        len(prompt.block_ids) * block_size >= lay.num_tokens
 
 
 def _ask(prompts, asked, device, budget: int, metrics) -> dict[int, np.ndarray]:

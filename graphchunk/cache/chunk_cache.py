@@ -41,6 +41,8 @@ class ScheduledPrompt:
     """Blend mode's recompute policy; None for isolated mode."""
     key_temperature: float = 1.0
     """Isolated mode: chunk keys are divided by it as they are copied into the request."""
+    req_id: str = ""
+    """vLLM's request id (engine fills)."""
 
     @property
     def mode(self) -> str:
@@ -91,6 +93,10 @@ class ChunkCache:
             self.runner.run_jobs(device)
             self.planner.finish_jobs(self.runner.done_before)
             self.runner.copy([(prompt, plan.units) for prompt, plan in group], device)
+            invalid = self.runner.take_invalid()
+            if invalid:
+                raise RuntimeError(f"graphchunk: a context fill found pool blocks that do not hold what it planned "
+                                   f"to copy (request blocks {sorted(invalid)} left unfilled)")
         finally:
             for _, plan in group:
                 self.planner.release(plan)

@@ -19,7 +19,9 @@ A plan with nothing to wait for (``needs`` < 0) is all hits: its request loads s
 References: a plan holds one on each of its entries until its copies have been sent
 (``release``), a job one on its entry (and an isolated chunk's job one on its sys entry) until it
 has run; eviction (``pool.py``) only takes unreferenced ready entries, so no block is reused while
-anything will still read or write it. ``plan`` raises ``PoolExhausted`` (having undone itself)
+anything will still read or write it. When a plan may be released is the caller's rule (the
+invariant in ``engine/context_scheduler.py``). Every entry carries an epoch, unique per insert, that
+its job and every copy from it name (``MissJob.epoch``, ``UnitCopy.epoch``): the workers check them. ``plan`` raises ``PoolExhausted`` (having undone itself)
 when the entries in use leave no room.
 """
 from __future__ import annotations
@@ -45,6 +47,8 @@ class UnitCopy:
     kind: str
     """'sys'; 'chunk' (isolated: keys divided by the request's key temperature); 'rotated'
     (blend: computed at [0, L), keys rotated to where the chunk lands)."""
+    epoch: int = 0
+    """The entry's epoch (``PoolEntry.epoch``): what its blocks must hold when the copy runs."""
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,10 @@ class MissJob:
     """The job computing the sys entry this one reads (-1: none, or it was ready)."""
     counted: bool = False
     """A chunk's job (its lookup is counted in the metrics; a sys prompt's is not)."""
+    epoch: int = 0
+    """The entry's epoch, stamped on its blocks as the job starts writing them."""
+    reads: tuple[tuple[tuple[int, ...], int], ...] = ()
+    """Other entries' blocks the job reads, with their epochs (an isolated chunk's sys entry)."""
 
 
 @dataclass
@@ -143,7 +151,7 @@ class ContextPlanner:
             kind = "rotated" if mode == "blend" else "chunk"
         plan.counts.append(("tokens_reused", hi - lo, mode) if entry.ready else ("reused", hi - lo, entry.job_id))
         begin = seg.bounds[0 if chunk is None else 1 + chunk][0]
-        plan.units.append(UnitCopy(tuple(entry.block_ids), offset, lo, hi, begin, kind))
+        plan.units.append(UnitCopy(tuple(entry.block_ids), offset, lo, hi, begin, kind, entry.epoch))
 
     def _acquire_sys(self, seg, salt, mode, plan: RequestPlan) -> PoolEntry:
         key = sys_key(self.space, seg.sys_tokens, salt, mode)
@@ -179,8 +187,9 @@ class ContextPlanner:
                 if sys_entry is not None:
                     self.pool.acquire(sys_entry)
                 after = sys_entry.job_id if sys_entry is not None and not sys_entry.ready else -1
+                reads = ((tuple(sys_entry.block_ids), sys_entry.epoch),) if sys_entry is not None else ()
                 self._add_job(plan, entry, tokens, [*sys_blocks, *entry.block_ids], len(sys_tokens), mode, holds,
-                              partial, after)
+                              partial, after, reads=reads)
         plan.counts += [("lookups", 1, mode), (outcome, 1, mode)]
         return entry, offset
 
@@ -199,9 +208,10 @@ class ContextPlanner:
 
     def _add_job(self, plan: RequestPlan, entry: PoolEntry, token_ids, block_ids, num_cached: int, mode: str,
                  holds: list[PoolEntry], partial: tuple[int, int] | None = None, after: int = -1,
-                 counted: bool = True) -> None:
+                 counted: bool = True, reads: tuple = ()) -> None:
         job = MissJob(self._next_job, tuple(token_ids), tuple(block_ids), num_cached, tuple(entry.block_ids),
-                      entry.key, tuple(entry.tokens), entry.num_tokens, mode, partial, after, counted)
+                      entry.key, tuple(entry.tokens), entry.num_tokens, mode, partial, after, counted, entry.epoch,
+                      reads)
         self._next_job += 1
         self.pool.acquire(entry)  # the job's own reference, beside the plan's (others in ``holds``: the caller's)
         entry.job_id = job.job_id

@@ -12,6 +12,17 @@ id not yet finished: the plans' scheduler learns it after each step.
 slots (chunk keys divided by the request's key temperature when it is not 1; blend chunks'
 keys rotated to where they land), then gives the tokens each blend request's recompute policy
 picks fresh KV (``blend/recompute.py``).
+
+Every read is checked against what was planned, at no cost worth measuring (a comparison per
+block): a job stamps its entry's blocks with the entry's epoch (``PoolEntry.epoch``) as it starts
+writing them, and a copy (``UnitCopy.epoch``) or a job reading another entry (``MissJob.reads``)
+runs only where the blocks still carry the planned epoch. A request whose copy would read
+anything else is not filled: its own blocks from the first affected one on are reported invalid
+(``take_invalid``; vLLM fails the request through its KV-load-failure path and never serves the
+blocks from its prefix cache), and a job whose input is wrong stamps its entry ``POISONED``, so
+that every copy from it fails the same way. With the scheduler's lifetimes right
+(``engine/context_scheduler.py``) this never fires; it makes a lifetime bug an error instead of
+a wrong answer that vLLM's prefix cache would keep serving.
 """
 from __future__ import annotations
 
@@ -25,7 +36,11 @@ from graphchunk.blend.recompute import recompute
 from graphchunk.cache.context_plan import MissJob, UnitCopy
 from graphchunk.cache.store import ChunkStore
 from graphchunk.device import KVDevice, PseudoSeq, slots_of
+from graphchunk.log import logger
 from graphchunk.metrics import CacheMetrics
+
+POISONED = -1
+"""The epoch of an entry whose job read blocks that did not hold what it planned to read."""
 
 
 @dataclass
@@ -48,6 +63,10 @@ class ContextRunner:
         """Every job with a smaller id has run."""
         self._reused: dict[int, int] = {}
         """Per queued job: context tokens plans will copy from its entry."""
+        self.epochs: dict[int, int] = {}
+        """Per pool block: the epoch of the entry whose KV it holds (or is being written)."""
+        self.invalid: set[int] = set()
+        """Request blocks a failed copy left invalid, not yet reported (``take_invalid``)."""
 
     @property
     def pending_tokens(self) -> int:
@@ -95,6 +114,7 @@ class ContextRunner:
                 break
             if not progress.started:
                 progress.started = True
+                self._stamp(job)
                 if self._load(job, device):
                     progress.computed, progress.loaded = len(job.token_ids), True
                     finishing.append(progress)
@@ -122,9 +142,26 @@ class ContextRunner:
                 self.metrics.count("tier_hits", 1, job.mode)
                 self.metrics.count("misses", -1, job.mode)
             self.metrics.count("tokens_reused", reused, job.mode)
-        if self.tier is not None and not progress.loaded:
+        if self.tier is not None and not progress.loaded and self._holds(job.entry_blocks, job.epoch):
             self.tier.save(job.key, job.entry_tokens, job.num_tokens, job.mode, device.read_blocks(job.entry_blocks))
         self.done_before = job.job_id + 1
+
+    def _stamp(self, job: MissJob) -> None:
+        """Marks the job's entry blocks as its entry's, before anything writes them; poisoned when
+        what it reads is not what its plan read."""
+        bad = [blocks for blocks, epoch in job.reads if not self._holds(blocks, epoch)]
+        if bad:
+            logger.error("graphchunk: job %d reads pool blocks %s that no longer hold the entry it was planned "
+                         "over; its entry is poisoned and every request copying it fails", job.job_id, bad)
+        for block in job.entry_blocks:
+            self.epochs[block] = POISONED if bad else job.epoch
+
+    def _holds(self, blocks, epoch: int) -> bool:
+        return epoch != POISONED and all(self.epochs.get(block) == epoch for block in blocks)
+
+    def take_invalid(self) -> set[int]:
+        invalid, self.invalid = self.invalid, set()
+        return invalid
 
     def _load(self, job: MissJob, device: KVDevice) -> bool:
         if self.tier is None:
@@ -137,12 +174,16 @@ class ContextRunner:
 
     # --- fills ---------------------------------------------------------------------------------
 
-    def fill(self, requests: Sequence[tuple[object, Sequence[UnitCopy]]], device: KVDevice) -> None:
-        """``requests``: (``chunk_cache.ScheduledPrompt`` with the request's block ids, its units)."""
-        self.copy(requests, device)
-        self.recompute([prompt for prompt, _ in requests], device)
+    def fill(self, requests: Sequence[tuple[object, Sequence[UnitCopy]]], device: KVDevice) -> list:
+        """``requests``: (``chunk_cache.ScheduledPrompt`` with the request's block ids, its units).
+        Returns the prompts filled (the others' blocks are in ``invalid``)."""
+        filled = self.copy(requests, device)
+        self.recompute(filled, device)
+        return filled
 
-    def copy(self, requests: Sequence[tuple[object, Sequence[UnitCopy]]], device: KVDevice) -> None:
+    def copy(self, requests: Sequence[tuple[object, Sequence[UnitCopy]]], device: KVDevice) -> list:
+        """Copies each request's units whose entries hold what was planned; returns those prompts."""
+        requests = [(prompt, units) for prompt, units in requests if self._check(prompt, units)]
         copies: dict[float, list[tuple[np.ndarray, np.ndarray]]] = {}
         rotated = []
         for prompt, units in requests:
@@ -160,6 +201,21 @@ class ContextRunner:
                               key_temperature=temperature)
         if rotated:
             device.copy_slots_rotated(*(np.concatenate(part) for part in zip(*rotated)))
+        return [prompt for prompt, _ in requests]
+
+    def _check(self, prompt, units: Sequence[UnitCopy]) -> bool:
+        """Whether every unit's entry blocks hold the planned epoch; else the request's blocks from
+        the first unit's on are marked invalid."""
+        bad = [unit for unit in units if not self._holds(unit.entry_blocks, unit.epoch)]
+        if not bad:
+            return True
+        first = min(unit.lo for unit in units) // self.block_size
+        self.invalid.update(prompt.block_ids[first:])
+        logger.error("graphchunk: a context fill would copy pool blocks %s that do not hold the entries it was "
+                     "planned from (epochs %s, found %s); the request fails instead of reading them",
+                     [list(u.entry_blocks) for u in bad], [u.epoch for u in bad],
+                     [[self.epochs.get(b) for b in u.entry_blocks] for u in bad])
+        return False
 
     def recompute(self, prompts: Sequence, device: KVDevice) -> None:
         blended = [prompt for prompt in prompts if prompt.policy is not None]

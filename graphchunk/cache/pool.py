@@ -39,6 +39,10 @@ class PoolEntry:
     """False for an entry whose key collided with another's tokens: freed on its last release."""
     job_id: int = -1
     """The job computing it while not ready (``context_plan.py``)."""
+    epoch: int = 0
+    """Which incarnation of its blocks' contents this entry is: unique per insert, never reused.
+    The job that writes the entry stamps its blocks with it in the workers, and every copy planned
+    from the entry names it (``context_run.py`` checks the two agree)."""
 
 
 class ChunkPool:
@@ -57,6 +61,7 @@ class ChunkPool:
         self._evictable: dict[bytes, PoolEntry] = {}
         self._evictable_blocks = 0
         self._live: set[PoolEntry] = set()
+        self._epochs = 0
         self.listener = None
         """Told of entries that became ready (``stored(entry)``) and of ready entries dropped
         (``removed(entry)``): the KV-event stream's source (``engine/context_scheduler.py``)."""
@@ -64,6 +69,11 @@ class ChunkPool:
     @property
     def num_free_blocks(self) -> int:
         return len(self._free)
+
+    @property
+    def in_use(self) -> bool:
+        """Whether any entry is referenced (a plan, a job): blocks that may be freed later."""
+        return any(entry.ref_count for entry in self._live)
 
     def blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
@@ -91,7 +101,9 @@ class ChunkPool:
             self._evict(key)
         while len(self._free) < needed:
             self._evict(self.policy.victim().key)
-        entry = PoolEntry(key, tokens, num_tokens, [self._free.pop() for _ in range(needed)], ref_count=1)
+        self._epochs += 1
+        entry = PoolEntry(key, tokens, num_tokens, [self._free.pop() for _ in range(needed)], ref_count=1,
+                          epoch=self._epochs)
         entry.indexed = key not in self._index
         if entry.indexed:
             self._index[key] = entry

@@ -7,14 +7,17 @@ what the model allows of blend mode, the pool's geometry (told to the scheduler 
 handshake metadata: ``connector.py``), the grid's bucket counts, the metrics and their publisher,
 and the segmented requests the worker holds. vLLM's hooks call it in step order:
 
-``step``              (around ``execute_model``) forgets finished requests, reads new ones, takes
+``step``              (around ``execute_model``) forgets finished requests (and drops their pending
+                      asynchronous loads: their blocks are vLLM's again), reads new ones, takes
                       the step's work from graphchunk's connector metadata (``context_scheduler``:
                       jobs, fills, asynchronous loads), computes misses up to the step's budget
                       (``graphchunk.miss_budget``), fills the asynchronous loads whose jobs have
                       all run (reported loaded to vLLM through the connector), plans the step
                       (``step_plan.py``) and holds the plan while vLLM runs the step;
 ``fill_context``      (``_prepare_inputs``, after vLLM updated and zeroed its blocks) fills the
-                      context of this step's all-hit requests from the chunk pool;
+                      context of this step's all-hit requests from the chunk pool; a fill that fails
+                      its check, or that the scheduler refused, leaves the request's blocks in
+                      ``take_invalid`` (the connector reports them: vLLM fails the request);
 ``rewrite_positions`` (after vLLM prepared the batch) gives isolated requests' question and
                       generated tokens their RoPE positions (DESIGN.md §2);
 ``count_step``        (``_determine_batch_execution_and_padding``) counts how vLLM ran a step with a
@@ -36,6 +39,7 @@ from graphchunk.engine.frontend import UNCHUNKED_ARG, ChunkRequest, chunk_reques
 from graphchunk.engine.runner_kv import RunnerKV
 from graphchunk.engine.step_plan import StepPlan, plan_step
 from graphchunk.graphs.bucket_counts import BucketCounts
+from graphchunk.log import logger
 from graphchunk.metrics import CacheMetrics, MetricsPublisher
 
 
@@ -67,6 +71,8 @@ class ChunkEngine:
         plans the rest; vLLM runs the step inside."""
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
+        if self.loads and so.finished_req_ids:  # their blocks are vLLM's again, their entries may be evicted
+            self.loads = [load for load in self.loads if load.req_id not in so.finished_req_ids]
         for new_req in so.scheduled_new_reqs:
             self._register(new_req)
         work = work_of(so.kv_connector_metadata)
@@ -102,15 +108,29 @@ class ChunkEngine:
         if not done:
             return
         self.loads = [load for load in self.loads if load.needs >= self.runner.done_before]
-        self.runner.copy([(load.prompt(), load.units) for load in done], self.kv)  # blend's recompute: when scheduled
-        self.loaded.update(load.req_id for load in done)
+        filled = self.runner.copy([(load.prompt(), load.units) for load in done], self.kv)  # (isolated only)
+        self.loaded.update(prompt.req_id for prompt in filled)
 
     def fill_context(self) -> None:
         """Fills the context of the step's all-hit requests (vLLM has updated its block tables)."""
         if self.plan is None or not self.plan.fills:
             return
+        fills = [load for load in self.plan.fills if not self._refuse(load)]
         with torch.inference_mode():
-            self.runner.fill([(load.prompt(), load.units) for load in self.plan.fills], self.kv)
+            self.runner.fill([(load.prompt(), load.units) for load in fills], self.kv)
+
+    def _refuse(self, load: ContextLoad) -> bool:
+        """A load the scheduler refused: the request's blocks are reported invalid (vLLM fails it)."""
+        if load.refused is None:
+            return False
+        logger.error("%s", load.refused)
+        self.runner.invalid.update(load.block_ids)
+        return True
+
+    def take_invalid(self) -> set[int]:
+        """Request blocks a fill could not fill as planned (vLLM's ``invalid_block_ids``: it fails
+        their requests and evicts the blocks from its prefix cache)."""
+        return self.runner.take_invalid()
 
     @property
     def done_before(self) -> int:

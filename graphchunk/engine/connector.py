@@ -139,6 +139,10 @@ class GraphChunkConnector(KVConnectorBase_V1):
         engine = WORKER.engine
         return None, (engine.take_loaded() or None) if engine is not None else None
 
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        engine = WORKER.engine
+        return engine.take_invalid() if engine is not None else set()
+
     def build_connector_worker_meta(self) -> GraphChunkWorkerMeta | None:
         engine = WORKER.engine
         return GraphChunkWorkerMeta(engine.done_before) if engine is not None else None
@@ -168,14 +172,20 @@ def work_of(kv_connector_metadata) -> StepWork:
 
 def connector_config(kv_transfer_config):
     """The ``kv_transfer_config`` a graphchunk engine runs with: graphchunk's connector alone when
-    the user named none; the user's, when it names graphchunk's (alone, or inside MultiConnector);
-    refused otherwise, naming the setting."""
+    the user named none; the user's, when it names graphchunk's (alone, or inside MultiConnector)
+    and keeps vLLM's default ``kv_load_failure_policy: fail``; refused otherwise, naming the setting."""
     from vllm.config import KVTransferConfig
 
     if kv_transfer_config is None:
         return KVTransferConfig(kv_connector=KV_CONNECTOR, kv_connector_module_path=KV_CONNECTOR_MODULE,
                                 kv_role="kv_consumer")
     if kv_transfer_config.has_connector(KV_CONNECTOR):
+        if kv_transfer_config.kv_load_failure_policy != "fail":
+            raise ConfigError(
+                f"--kv-transfer-config sets kv_load_failure_policy={kv_transfer_config.kv_load_failure_policy!r}: "
+                f"graphchunk fails a request whose context fill does not read what it planned, through vLLM's "
+                f"KV-load-failure path, and vLLM's recompute would compute that context as an ordinary causal "
+                f"prompt instead (not the request's isolated or blend semantics); leave it at 'fail', vLLM's default")
         return kv_transfer_config
     raise ConfigError(
         f"--kv-transfer-config names {kv_transfer_config.kv_connector!r} without graphchunk's connector: a "

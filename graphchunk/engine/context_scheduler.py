@@ -5,26 +5,53 @@ Per segmented request (``ChunkRequest``, read once from what graphchunk's fronte
 
 ``matched``   (vLLM asks how many tokens beyond its own prefix-cache hit come from elsewhere)
               plans the context from that hit to C (``context_plan.ContextPlanner``): all hits
-              load synchronously, before the step's forward; a plan with misses loads
+              load synchronously, before the step's forward; an isolated plan with misses loads
               asynchronously: the request waits while the workers run its jobs, a budget per step.
+              A blend plan with misses answers None until its jobs have run (the plan held), then
+              loads synchronously: its fill and recompute run in the step that schedules it, so
+              vLLM, which publishes a synchronous load's blocks to its prefix cache at once and
+              an asynchronous one's when it completes, never publishes blend KV that its
+              recompute has not finished (the recompute needs the question's blocks).
               A pool too full for the plan answers None (vLLM asks again next step), and so
               does an all-hit blend request once the step's blend recompute (which vLLM's token
               budget does not see: it runs as graphchunk's own forwards) has reached
               ``miss_budget`` tokens: one is always admitted.
-``allocated`` (vLLM allocated its blocks) turns the plan into a load: a fill this step (hits), a
-              load the workers complete by themselves once its jobs have run (misses: its copies;
-              blend's recompute, which runs the question over the request's own blocks, waits
-              for the step that schedules the request, when the question has its blocks: a fill
-              with nothing to copy).
+``allocated`` (vLLM allocated its blocks) turns the plan into a load: a fill this step (hits), or
+              a load the workers complete by themselves once its jobs have run (isolated misses).
 ``metadata``  (vLLM builds the step's metadata) sends the step's new jobs, fills and loads and
-              the plans' counts (the pool's own metrics are published from here); a plan is released once its copies are sent
-              (workers run steps in order, so nothing evicted afterwards is copied too late).
+              the plans' counts (the pool's own metrics are published from here), then releases
+              the plans of the step's fills.
 ``reported``  the workers' first unfinished job: earlier jobs' entries become ready.
 ``finished``  releases what a finished, aborted or preempted-and-dropped request still holds.
 ``take_events`` the pool's entries stored (ready) and removed since the last step, as vLLM's KV
               events (``BlockStored`` / ``BlockRemoved``, medium ``graphchunk``, one block per
               entry, hashed by its content key), which vLLM publishes on its KV-event stream
               (``--kv-events-config``) for KV-aware routers.
+
+**The invariant** (what makes a fill read what it planned): *no pool block is written while a copy
+planned from it is outstanding.* A block is written only by the job of a new entry, and a new
+entry takes only blocks no entry in use holds (``pool.py``); so it suffices that every planned copy
+holds its entries until the workers can no longer run it late:
+
+- a fill of this step (all hits) holds them until ``metadata`` has been built, not merely until
+  ``allocated``: one ``schedule()`` plans many requests between the two, and a later request's
+  misses must not evict what an earlier one will copy in this step (the workers run a step's jobs
+  before its fills). Jobs planned in later steps run after this step's fills: every worker runs
+  steps in order, and a worker's device work is ordered in one stream;
+- an asynchronous load holds them until a worker reports it filled (``loaded``); a load whose
+  request finishes first is dropped by the workers before the next step's jobs run
+  (``chunk_engine.py``), so releasing it in ``finished`` is safe;
+- a job holds its entry (and an isolated chunk's job its sys entry) until the workers report it
+  run (``reported``: the first unfinished job, the smallest over tensor-parallel ranks).
+
+Preemption needs nothing more: a preempted request holds no plan (its fill ran), and when vLLM
+schedules it again it is planned afresh from its new prefix hit. The workers check every copy
+against the entry's epoch anyway (``context_run.py``): should this ever be wrong, the request
+fails and its blocks never reach vLLM's prefix cache.
+
+A request whose context can never fit the pool, even with every other entry evicted, is refused:
+its load carries the reason, and the workers fail it through vLLM's KV-load-failure path instead
+of leaving it waiting for room that will never come.
 
 A blend request the model cannot blend (``handshake.blend_refusal``, from the workers) and an
 ordinary prompt load nothing: vLLM computes their full prefill itself.
@@ -79,13 +106,15 @@ class ContextLoad:
     units: tuple[UnitCopy, ...]
     needs: int = -1
     """The last job it waits for (-1: none: a fill of this step)."""
+    refused: str | None = None
+    """Why graphchunk cannot load this context (the workers fail the request); None: it can."""
 
     def prompt(self) -> ScheduledPrompt:
         """The request's context range, for the workers' fill (``context_run``; blend's recompute
         reads the whole request: its question is scored as a pseudo-sequence, scheduled or not)."""
         r = self.request
         return ScheduledPrompt(r.seg, r.salt, self.start, r.seg.layout.num_tokens, self.block_ids, r.policy,
-                               r.key_temperature)
+                               r.key_temperature, self.req_id)
 
 
 @dataclasses.dataclass
@@ -108,8 +137,8 @@ class _Request:
     start: int = 0
     waiting: bool = False
     """Loads asynchronously: its workers fill it once its jobs have run."""
-    recompute: ContextLoad | None = None
-    """A blend request loaded asynchronously: its recompute, for the step that schedules it."""
+    refused: str | None = None
+    """Why its context cannot be loaded (it never fits the pool)."""
 
 
 class ContextScheduler:
@@ -130,6 +159,8 @@ class ContextScheduler:
         self._fills: list[ContextLoad] = []
         self._loads: list[ContextLoad] = []
         self._counts: list = []
+        self._sent: list[RequestPlan] = []
+        """Plans of this step's fills: held until its metadata is built (module docstring)."""
         self._done_before = 0
         """The workers' first unfinished job, as last reported."""
         self._recompute_tokens = 0
@@ -144,6 +175,9 @@ class ContextScheduler:
         if num_computed >= state.context_len:
             self._drop_plan(state)
             return 0, False
+        if state.refused is not None:
+            state.start = num_computed
+            return state.context_len - num_computed, False
         if state.plan is None or state.start != num_computed:
             self._drop_plan(state)
             request = state.chunked
@@ -151,12 +185,19 @@ class ContextScheduler:
                 plan = self.planner.plan(request.seg, request.salt, "isolated" if request.policy is None else "blend",
                                          num_computed, state.context_len)
             except PoolExhausted as exc:
-                logger.debug("graphchunk: request %s waits for pool room: %s", req_id, exc)
-                return None, False
+                if self.pool.in_use:
+                    logger.debug("graphchunk: request %s waits for pool room: %s", req_id, exc)
+                    return None, False
+                state.start = num_computed
+                state.refused = (f"graphchunk: request {req_id}'s context cannot fit the chunk pool even when "
+                                 f"empty ({exc}); raise graphchunk.pool_tokens or send fewer, longer chunks")
+                return state.context_len - num_computed, False
             self._jobs += plan.jobs
             self._counts += plan.counts
             state.plan, state.start = plan, num_computed
         load_async = state.plan.needs >= self._done_before
+        if load_async and state.chunked.policy is not None:
+            return None, False  # blend: loaded synchronously once its jobs have run (module docstring)
         if not load_async and self._recompute_tokens and \
                 self._recompute_tokens + self._recompute_cost(state) > self.config.miss_budget:
             return None, False  # this step's blend recompute is full: next step
@@ -166,10 +207,11 @@ class ContextScheduler:
         state = self._requests.get(req_id)
         if state is None:
             return
-        if state.recompute is not None:  # loaded, now scheduled: blend's recompute, over all its blocks
-            self._fills.append(dataclasses.replace(state.recompute, block_ids=tuple(block_ids)))
-            self._recompute_tokens += self._recompute_cost(state)
-            state.recompute = None
+        if state.refused is not None:
+            if num_external:
+                self._fills.append(ContextLoad(req_id, state.chunked, state.start, state.context_len, tuple(block_ids),
+                                               (), refused=state.refused))
+            return
         if state.plan is None:
             return
         if num_external == 0:
@@ -185,7 +227,8 @@ class ContextScheduler:
         if plan.needs < self._done_before:
             self._fills.append(load)
             self._recompute_tokens += self._recompute_cost(state)
-            self._drop_plan(state)  # sent with this step's metadata, before anything can evict its entries
+            self._sent.append(state.plan)  # released once the step's metadata is built, not before
+            state.plan = None
         else:
             self._loads.append(load)
             state.waiting = True
@@ -195,6 +238,9 @@ class ContextScheduler:
         work = StepWork(tuple(self._jobs), tuple(self._fills), tuple(self._loads), tuple(self._counts))
         self._jobs, self._fills, self._loads, self._counts = [], [], [], []
         self._recompute_tokens = 0
+        for plan in self._sent:
+            self.planner.release(plan)
+        self._sent = []
         return work
 
     def publish(self) -> None:
@@ -212,8 +258,6 @@ class ContextScheduler:
         """The workers filled the request's context (its asynchronous load is complete)."""
         state = self._requests.get(req_id)
         if state is not None and state.waiting:
-            if state.chunked.policy is not None:
-                state.recompute = ContextLoad(req_id, state.chunked, state.start, state.context_len, (), ())
             self._drop_plan(state)
 
     def finished(self, req_id: str) -> None:

@@ -16,6 +16,7 @@ vanilla vLLM).
 from __future__ import annotations
 
 import json
+import secrets
 from dataclasses import dataclass
 
 import numpy as np
@@ -57,6 +58,9 @@ POLICY_ARGS = (RECOMPUTE_ARG, RATIO_ARG, TOKENS_ARG, SINKS_ARG, SPREAD_ARG)
 MODE_ARGS = (MODE_ARG, TEMPERATURE_ARG, *POLICY_ARGS)
 GRAPHCHUNK_ARGS = (BOUNDARIES_ARG, *MODE_ARGS)
 """The keys a client may send."""
+SALT_MARK = "|graphchunk:"
+"""What ``annotate`` appends to a segmented request's ``cache_salt``; refused in a client's own salt,
+which could otherwise claim another layout's KV in vLLM's prefix cache, or plant causal KV there."""
 
 
 def is_graphchunk_worker(worker_cls) -> bool:
@@ -114,6 +118,9 @@ class RequestAnnotator:
         params = request.sampling_params
         if params is None or request.prompt_token_ids is None:
             return
+        if SALT_MARK in (request.cache_salt or ""):
+            raise SegmentationError(f"cache_salt must not contain {SALT_MARK!r}: graphchunk marks the salt of its "
+                                    f"segmented requests with it, so that vLLM's prefix cache keeps their KV apart")
         args = dict(params.extra_args or {})
         args.pop(SALT_ARG, None)
         args.pop(UNCHUNKED_ARG, None)
@@ -129,6 +136,9 @@ class RequestAnnotator:
             return
         if params.prompt_logprobs is not None:
             raise SegmentationError("prompt_logprobs are not available for segmented prompts")
+        if params.skip_reading_prefix_cache:
+            raise SegmentationError("skip_reading_prefix_cache is not available for segmented prompts: vLLM then "
+                                    "skips KV connectors too, and graphchunk loads their context through one")
         if getattr(request, "mm_features", None):
             raise SegmentationError("segmented prompts cannot carry multimodal inputs")
         args[BOUNDARIES_ARG] = [b for b, _ in seg.bounds[1:]]
@@ -143,7 +153,7 @@ class RequestAnnotator:
             args.update({key: getattr(policy, field) for key, field in _POLICY_FIELDS.items()})
             fingerprint = blend_fingerprint(seg, policy)
         params.extra_args = args
-        request.cache_salt = f"{request.cache_salt or ''}|graphchunk:{fingerprint}"
+        request.cache_salt = f"{request.cache_salt or ''}{SALT_MARK}{fingerprint}"
 
 
 def resolve_mode(extra_args: dict, config: GraphChunkConfig,
@@ -238,10 +248,12 @@ def chunk_request(token_ids: list[int], extra_args: dict, config: GraphChunkConf
 
 
 def kv_salt(request) -> str | None:
+    """What besides tokens and model sets a chunk's KV: the request's cache_salt and LoRA adapter,
+    written so that no salt a client sends reads as another salt and adapter."""
     lora = getattr(request, "lora_request", None)
     if lora is None:
-        return request.cache_salt
-    return f"{request.cache_salt or ''}|lora:{lora.lora_name}"
+        return None if request.cache_salt is None else json.dumps([request.cache_salt])
+    return json.dumps([request.cache_salt, lora.lora_name])
 
 
 def layout_fingerprint(seg: SegmentedPrompt, key_temperature: float = 1.0) -> str:
@@ -270,14 +282,24 @@ def blend_fingerprint(seg: SegmentedPrompt, policy: RecomputePolicy) -> str:
     still find the whole context in vLLM's prefix cache. ``none`` and ``legolink`` do not look
     ahead, but keying them the same way keeps the rule simple and costs them nothing in the
     common case (identical documents). The ``question`` policy picks by the question's attention:
-    its context KV depends on the question, so its salt hashes the whole prompt (vLLM's prefix
-    cache shares its KV only between identical prompts)."""
+    its context KV depends on the question, so its salt hashes the whole prompt.
+
+    That still leaves one way to differ: vLLM's prefix cache hands out whole blocks, so a request
+    that shares the context of another (or the whole prompt) gets a hit ending at the last full
+    block before its question, and recomputes only the rest. Where a policy ranks the context
+    (cacheblend and question with a ratio strictly between 0 and 1: ``needs_check``), a ranking of
+    that rest alone picks other tokens than the ranking of the whole context, over KV that the
+    other request's recompute has already changed. So their salt also carries a nonce: vLLM's
+    prefix cache never shares their KV between requests (the chunks still come from the pool;
+    the system prompt is copied from it too). Policies that pick by position (legolink, none,
+    ratio 0 or 1) pick the same tokens of a block whatever follows it and share."""
     lay = seg.layout
     digest = xxhash.xxh3_128()
     digest.update(repr(("blend", policy.describe(), lay.sys_len, lay.chunk_lens)).encode())
     hashed = lay.num_tokens if policy.name == "question" else lay.context_len
     digest.update(np.asarray(seg.token_ids[:hashed], dtype=np.int64).tobytes())
-    return f"blend:{policy.describe()}:{digest.hexdigest()}"
+    nonce = f":{secrets.token_hex(8)}" if policy.needs_check else ""
+    return f"blend:{policy.describe()}:{digest.hexdigest()}{nonce}"
 
 
 _EXPECTED = {

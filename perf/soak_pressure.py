@@ -1,0 +1,630 @@
+"""Soak under pool pressure: graphchunk's server with a chunk pool of about two requests' contexts,
+every completed answer checked token for token.
+
+    python perf/soak_pressure.py --mode isolated|blend-full|both [--model smollm2] [--requests 500] \
+        [--concurrency 8] [--out perf/results/soak_pressure.json]
+
+For each mode one graphchunk server (``vllm serve`` through the soak's ``soak_server.Servers``):
+``isolated`` runs ``"mode": "isolated"``, ``blend-full`` runs ``"mode": "blend"`` with
+``"recompute_ratio": 1.0`` (every chunk token recomputed: full prefill). No persistent tier, so
+an evicted entry is computed again. The chunk pool holds about ``--pool-contexts`` (2) of the
+trace's mean request contexts (sys + documents), or the start-up minimum the worker enforces
+(``worker.min_pool_blocks``: max_model_len, one block, max_chunk_len) where that is larger;
+``--max-model-len`` is derived from the longest prompt, so the minimum stays near two contexts.
+vLLM's own KV cache (``--kv-cache-memory-bytes`` less the pool) holds ``--vllm-kv-seqs`` prompts
+of max_model_len (default 1.5), so that vLLM preempts requests when the running ones grow (a
+segmented request's context is allocated whole when it is admitted, so only the growth of
+running requests can run vLLM out of blocks);
+``--max-num-batched-tokens`` is small, so prompts prefill over several steps.
+
+Trace (seeded, the same for both modes): ``--combos`` (sys prompt, document set) combinations
+drawn from the soak's corpus (``soak_trace.build_corpus``: CPython help-topic text), each with
+``--questions-per-combo`` questions; every request body picks a combination and question and
+reorders the documents at random. Bodies are single prompts (token ids with explicit boundaries,
+``vllm_xargs.graphchunk_boundaries``, or ``sys ## doc ## ... ## question`` text, whose
+boundaries the server detects per prompt) or, at ``--batch-fraction``, a batch of 2-4 prompts in
+one ``/v1/completions`` body (the completions API's list-of-prompts form): ``vllm_xargs`` is one
+per body, so a batch of token ids shares one document order (same boundaries: the prompts differ
+in their questions), a batch of text prompts mixes combinations and orders. ``--salt-fraction``
+of the bodies carry a tenant ``cache_salt`` (it changes no answer, only which chunk entries a
+request may use). Client disconnects at small rates (the soak's abort kinds: ``abort_stream``,
+``abort_prefill``, ``abort_nostream``, ``soak_client.Client``). Greedy, ``ignore_eos``,
+``--max-tokens``.
+
+After the traffic: the engine drained, graphchunk's pool gauges read (``graphchunk_pool_refs_held``
+and ``graphchunk_pool_blocks_leaked`` must be 0), a final request checked (the server alive and
+correct), the counters read (evictions, hits, misses; ``vllm:num_preemptions_total``), the
+server stopped and its log scanned for error lines. Then every completed prompt is compared with
+its reference, token for token (HF transformers in fp32, ``graphchunk.reference.oracle``):
+
+* isolated: the isolated oracle (explicit 4D mask and positions); its answer does not depend on
+  the documents' order, so it is computed once per (sys, set of chunks, question) and cached; a
+  mismatch is checked again against the oracle of the prompt's own order;
+* blend-full: the plain causal forward of the same token ids (``Oracle.causal_generate``: what
+  vanilla vLLM computes), cached per distinct token sequence.
+
+A mismatch counts as wrong unless the reference's own logprob gap between its token and the
+server's at the first difference is at most ``--tie-tol`` (a float near tie: counted apart as
+``near_ties``, with its gap). Writes ``--out`` (JSON; a mode's ``passed``: 0 wrong, 0 errors,
+0 references held and 0 blocks leaked when idle, evictions > 0, the server alive and correct
+after the traffic, no error line in its log before its shutdown) and exits 1 unless every mode
+passed. vLLM's preemptions are counted, not required (a few per hundred bodies at the defaults).
+
+Reuses the soak's modules (perf/ on ``sys.path``): ``soak_trace`` (corpus, ``Item``, ``Encoder``),
+``soak_client`` (``Client`` and its abort kinds, ``Dispatcher``, ``client_threads``),
+``soak_server`` (``Servers``, ``server_flags``, /metrics), ``soak_check`` (a prompt's ids and
+layout as the server saw it); ``harness`` for what every perf script shares.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+PERF = Path(__file__).resolve().parent
+REPO = PERF.parent
+for path in (str(REPO), str(PERF)):
+    if path not in sys.path:
+        sys.path.insert(0, path)
+
+from graphchunk.tools.serve_demo import free_port  # noqa: E402
+import harness as H  # noqa: E402
+from soak_check import _prompt  # noqa: E402
+from soak_client import Client, Dispatcher, Estimates, Outcome, client_threads, count_statuses  # noqa: E402
+from soak_server import LEAK_GAUGES, Servers  # noqa: E402
+from soak_trace import ACTIONS, Encoder, Item, build_corpus  # noqa: E402
+
+MODES = ("isolated", "blend-full")
+SALTS = ("tenant-a", "tenant-b")
+COUNTERS = ("lookups", "hits", "misses", "evictions", "tokens_reused", "tokens_computed", "blend_lookups",
+            "blend_hits", "blend_misses", "blend_tokens_reused", "blend_tokens_recomputed")
+ERROR_LINE = re.compile(r"\b(ERROR|CRITICAL|Traceback|Exception|EngineDeadError|AssertionError)\b")
+
+
+# --- trace --------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Body(Item):
+    """One request body: ``prompts`` (one, or a batch), each a soak ``Item`` (its fields sys, docs,
+    question, as_ids); the body's own sys / docs / question are its first prompt's."""
+    prompts: tuple[Item, ...] = ()
+    salt: str | None = None
+    batch: str = ""
+    """'' (a single prompt), 'ids' (token ids sharing one layout) or 'text' (separator text)."""
+    combos: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Combo:
+    sys: str
+    doc_ids: tuple[int, ...]
+    questions: tuple[str, ...]
+
+
+def build_combos(corpus, args, rng: random.Random) -> list[Combo]:
+    combos = []
+    for _ in range(args.combos):
+        k = rng.randint(*args.docs_per_request)
+        docs = tuple(rng.sample(range(len(corpus.docs)), k))
+        combos.append(Combo(rng.choice(corpus.systems), docs,
+                            tuple(rng.sample(corpus.questions, args.questions_per_combo))))
+    return combos
+
+
+def build_trace(corpus, combos: list[Combo], args, rng: random.Random) -> list[Body]:
+    def prompt(c: int, order: list[int] | None = None, question: str | None = None, as_ids: bool = True) -> Item:
+        combo = combos[c]
+        order = order if order is not None else rng.sample(combo.doc_ids, len(combo.doc_ids))
+        return Item(0, combo.sys, tuple(corpus.docs[d] for d in order), question or rng.choice(combo.questions),
+                    as_ids, doc_ids=tuple(order))
+
+    rates = {"abort_stream": args.abort_stream, "abort_prefill": args.abort_prefill,
+             "abort_nostream": args.abort_nostream}
+    bodies = []
+    for index in range(args.requests):
+        c = rng.randrange(len(combos))
+        if rng.random() < args.batch_fraction:
+            size = rng.randint(2, 4)
+            if rng.random() < 0.5:  # one document order, several questions: one set of boundaries
+                first = prompt(c)
+                prompts = [first] + [replace(first, question=rng.choice(combos[c].questions)) for _ in range(size - 1)]
+                kind, used = "ids", (c,) * size
+            else:
+                used = (c, *(rng.randrange(len(combos)) for _ in range(size - 1)))
+                prompts, kind = [prompt(u, as_ids=False) for u in used], "text"
+        else:
+            prompts, kind, used = [prompt(c, as_ids=rng.random() < args.ids_fraction)], "", (c,)
+        u, action = rng.random(), "complete"
+        for name, rate in rates.items():
+            if u < rate:
+                action = name
+                break
+            u -= rate
+        salt = rng.choice(SALTS) if rng.random() < args.salt_fraction else None
+        first = prompts[0]
+        bodies.append(Body(index, first.sys, first.docs, first.question, first.as_ids, action, rng.random(),
+                           first.doc_ids, prompts=tuple(prompts), salt=salt, batch=kind, combos=used))
+    return bodies
+
+
+class BodyEncoder(Encoder):
+    """The soak's encoder for bodies of one or several prompts, with a tenant salt."""
+
+    def body(self, item: Body, stream: bool) -> dict:
+        body = {"model": self.model, "temperature": 0, "max_tokens": self.max_tokens, "ignore_eos": True,
+                "return_token_ids": True, "stream": stream}
+        if item.prompts[0].as_ids:
+            encoded = [self.ids(p) for p in item.prompts]
+            if any(b != encoded[0][1] for _, b in encoded):
+                raise ValueError("a batch of token-id prompts must share its boundaries (one vllm_xargs per body)")
+            prompts = [ids for ids, _ in encoded]
+            body["vllm_xargs"] = {"graphchunk_boundaries": encoded[0][1]}
+        else:
+            prompts = [self.text(p) for p in item.prompts]
+        body["prompt"] = prompts if len(prompts) > 1 else prompts[0]
+        if item.salt is not None:
+            body["cache_salt"] = item.salt
+        return body
+
+
+class BodyClient(Client):
+    """The soak's client, reading every choice of a completed body (``Outcome.choices``: its
+    prompts' (prompt token ids, generated token ids), in prompt order)."""
+
+    def complete(self, item: Body, out: Outcome) -> None:
+        body = self.post(item, out)
+        if body is None:
+            return
+        choices = sorted(body["choices"], key=lambda c: c["index"])
+        out.choices = [(c.get("prompt_token_ids"), c.get("token_ids")) for c in choices]
+        if len(out.choices) != len(item.prompts):
+            out.error = f"{len(out.choices)} choices for {len(item.prompts)} prompts"
+            return
+        out.prompt_ids, out.token_ids = out.choices[0]
+        out.completion_tokens = body.get("usage", {}).get("completion_tokens", 0)
+        out.status = "ok"
+        self.estimates.add("latency", time.monotonic() - out.start)
+        self.close()
+
+
+# --- servers ------------------------------------------------------------------------------------
+
+def mode_settings(mode: str, args, pool_tokens: int, max_chunk_len: int) -> dict:
+    gc = {"pool_tokens": pool_tokens, "max_chunks": max(8, args.docs_per_request[1]), "max_chunk_len": max_chunk_len}
+    if mode == "isolated":
+        gc["mode"] = "isolated"
+    else:
+        gc.update(mode="blend", recompute_ratio=1.0)
+    if args.eviction:
+        gc["eviction"] = args.eviction
+    return gc
+
+
+def error_lines(log_path: str, limit: int = 40) -> dict:
+    """The server log's lines that look like errors, before its shutdown began (count and the first
+    ``limit``) and after (vLLM's own SIGTERM teardown logs an EngineDeadError traceback: counted apart)."""
+    try:
+        lines = Path(log_path).read_text(errors="replace").splitlines()
+    except OSError:
+        return {"count": None, "lines": [], "at_shutdown": None}
+    end = next((i for i, line in enumerate(lines) if "[shutdown]" in line), len(lines))
+    found = [line for line in lines[:end] if ERROR_LINE.search(line)]
+    return {"count": len(found), "lines": found[:limit],
+            "at_shutdown": sum(bool(ERROR_LINE.search(line)) for line in lines[end:])}
+
+
+# --- references ---------------------------------------------------------------------------------
+
+class References:
+    """HF references in fp32, each computed once: isolated per (sys, chunks as a set, question),
+    full prefill per token sequence."""
+
+    def __init__(self, model_path, encoder: Encoder, max_tokens: int, tie_tol: float):
+        import torch
+
+        from graphchunk.reference.oracle import Oracle
+        from graphchunk.segments import SeparatorSplitter
+
+        self.oracle = Oracle(model_path, dtype=torch.float32)
+        # generate() and causal_generate() read the last position's logits only: skip the
+        # vocabulary projection of every prompt token (``Oracle._forward`` passes
+        # logits_to_keep=0 for "all", which is raised to 1 here; a partial would be overridden).
+        forward = self.oracle.model.forward
+        self.oracle.model.forward = lambda *a, **k: forward(*a, **{**k, "logits_to_keep": k.get("logits_to_keep") or 1})
+        self.encoder = encoder
+        self.splitter = SeparatorSplitter(encoder.tokenizer, "##", max_chunks=64, max_chunk_len=1 << 20)
+        self.max_tokens, self.tie_tol = max_tokens, tie_tol
+        self.isolated_cache: dict = {}
+        self.full_cache: dict = {}
+        self.seconds = 0.0
+        self.computed = {"isolated": 0, "full": 0, "own_order": 0, "tie": 0}
+        """Reference generations run (isolated, full prefill; isolated again in a prompt's own
+        order after a mismatch; the isolated logits at a first difference)."""
+
+    def expected(self, item: Item):
+        """(prompt ids, layout) as the server saw ``item``."""
+        return _prompt(self.encoder, self.splitter, item)
+
+    def verdict(self, mode: str, item: Item, prompt_ids, got: list[int] | None) -> dict:
+        started = time.monotonic()
+        try:
+            ids, layout = self.expected(item)
+            if prompt_ids is not None and list(prompt_ids) != list(ids):
+                return {"verdict": "wrong", "why": "the server saw another prompt"}
+            got = list(got or [])
+            if mode == "isolated":
+                return self._isolated(ids, layout, got)
+            return self._full(ids, got)
+        finally:
+            self.seconds += time.monotonic() - started
+
+    def _isolated(self, ids, layout, got) -> dict:
+        starts = layout.chunk_starts()
+        key = (tuple(ids[:layout.sys_len]), tuple(sorted(tuple(ids[s:s + n]) for s, n in zip(starts, layout.chunk_lens))),
+               tuple(ids[layout.context_len:]))
+        ref = self.isolated_cache.get(key)
+        if ref is None:
+            ref = self.isolated_cache[key] = self.oracle.generate(list(ids), layout, self.max_tokens,
+                                                                  ignore_eos=True).tokens
+            self.computed["isolated"] += 1
+        if got == ref:
+            return {"verdict": "equal"}
+        # Cached from another document order: the oracle of this prompt's own order decides.
+        own = self.oracle.generate(list(ids), layout, self.max_tokens, ignore_eos=True).tokens
+        self.computed["own_order"] += 1
+        if got == own:
+            return {"verdict": "equal", "order_noise": True}
+        if len(got) != len(own):
+            return {"verdict": "wrong", "why": f"{len(got)} tokens, expected {len(own)}", "expected": own}
+        from graphchunk.layout import Layout
+
+        d = next(i for i, (x, y) in enumerate(zip(got, own)) if x != y)
+        longer = Layout(layout.sys_len, layout.chunk_lens, layout.question_len + d)
+        logp = self.oracle.generate(list(ids) + got[:d], longer, 1, ignore_eos=True).last_logits.log_softmax(-1)
+        self.computed["tie"] += 1
+        return self._gap(float(logp[own[d]] - logp[got[d]]), d, own)
+
+    def _full(self, ids, got) -> dict:
+        key = tuple(ids)
+        if key not in self.full_cache:
+            tokens, logprobs = self.oracle.causal_generate(list(ids), self.max_tokens)
+            self.full_cache[key] = (tokens, logprobs)
+            self.computed["full"] += 1
+        ref, logprobs = self.full_cache[key]
+        if got == ref:
+            return {"verdict": "equal"}
+        if len(got) != len(ref):
+            return {"verdict": "wrong", "why": f"{len(got)} tokens, expected {len(ref)}", "expected": ref}
+        d = next(i for i, (x, y) in enumerate(zip(got, ref)) if x != y)
+        logp = logprobs[d]  # the same prefix up to d: the reference's distribution where they part
+        return self._gap(float(logp[ref[d]] - logp[got[d]]), d, ref)
+
+    def _gap(self, gap: float, d: int, ref: list[int]) -> dict:
+        return {"verdict": "tie" if gap <= self.tie_tol else "wrong", "gap": gap, "first_difference": d,
+                "expected": ref}
+
+
+# --- the run ------------------------------------------------------------------------------------
+
+class PressureSoak:
+    def __init__(self, args, log=print):
+        from vllm.utils.math_utils import cdiv
+
+        self.args, self.log = args, log
+        rng = random.Random(args.seed)
+        self.model_path = H.resolve_model(args.model)
+        self.tokenizer = H.load_tokenizer(self.model_path)
+        self.corpus = build_corpus(self.tokenizer, args.docs, tuple(args.doc_tokens), args.questions,
+                                   tuple(args.question_words), rng)
+        self.combos = build_combos(self.corpus, args, rng)
+        self.trace = build_trace(self.corpus, self.combos, args, rng)
+        self.encoder = BodyEncoder(self.tokenizer, str(self.model_path), args.max_tokens)
+        bs = args.block_size
+        # Sizes: the longest prompt (text prompts hold separators too), contexts, the pool.
+        longest = max(len(self.tokenizer(self.encoder.text(p)).input_ids if not p.as_ids else self.encoder.ids(p)[0])
+                      for body in self.trace for p in body.prompts)
+        self.max_model_len = args.max_model_len or cdiv(longest + args.max_tokens + 8, bs) * bs
+        if longest + args.max_tokens > self.max_model_len:
+            raise SystemExit(f"prompts of up to {longest} tokens and {args.max_tokens} generated do not fit "
+                             f"--max-model-len {self.max_model_len}")
+        self.max_chunk_len = max(self.corpus.doc_tokens) + 8  # a text chunk holds its separator's tokens too
+        contexts = [self.encoder.ids(Item(0, c.sys, tuple(self.corpus.docs[d] for d in c.doc_ids), "", True))[1][-1]
+                    for c in self.combos]
+        self.mean_context = sum(contexts) / len(contexts)
+        minimum = (cdiv(self.max_model_len, bs) + 1 + cdiv(self.max_chunk_len, bs)) * bs
+        self.pool_tokens = args.pool_tokens or max(minimum, cdiv(int(args.pool_contexts * self.mean_context), bs) * bs)
+        self.pool_minimum = minimum
+        per_token = H.kv_bytes_per_token(self.model_path, args.dtype)
+        self.vllm_kv_tokens = cdiv(int(args.vllm_kv_seqs * self.max_model_len), bs) * bs
+        self.kv_cache_bytes = args.kv_cache_bytes or (cdiv(self.pool_tokens, bs) * bs + self.vllm_kv_tokens) * per_token
+        self.log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="graphchunk-soak-pressure-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        flags = argparse.Namespace(**{**vars(args), "kv_cache_bytes": self.kv_cache_bytes,
+                                      "max_model_len": self.max_model_len, "throughput_concurrency": 0})
+        self.servers = Servers(self.model_path, flags, self.pool_tokens, self.max_chunk_len, self.log_dir, log)
+        self.references: References | None = None
+
+    def run_mode(self, mode: str) -> dict:
+        a = self.args
+        port = free_port()
+        self.servers.incarnation = mode
+        settings = mode_settings(mode, a, self.pool_tokens, self.max_chunk_len)
+        self.servers.start(f"graphchunk-{mode}", "graphchunk.Runner", None, port, log_requests=True,
+                           settings=settings)
+        server = self.servers.current
+        estimates = Estimates()
+
+        def new_client():
+            return BodyClient("127.0.0.1", port, self.encoder, estimates, a.request_timeout)
+
+        started = time.monotonic()
+        died = None
+        try:
+            dispatcher = Dispatcher(self.trace, [])
+            threads = client_threads(dispatcher, a.concurrency, new_client, lambda: mode)
+            last = time.monotonic()
+            while dispatcher.wait(1.0) != "finished":
+                if self.servers.died():
+                    died = {"at_request": dispatcher.next, "code": server.process.returncode,
+                            "log_tail": server.log_tail()}
+                    self.log(f"[pressure] {mode}: the server died:\n{died['log_tail']}")
+                    dispatcher.stop()
+                if time.monotonic() - last > 30:
+                    last = time.monotonic()
+                    self.log(f"[pressure] {mode}: {dispatcher.done_count}/{len(self.trace)} "
+                             f"{count_statuses(dispatcher.outcomes)}")
+            for t in threads:
+                t.join()
+            wall = time.monotonic() - started
+            outcomes = sorted(dispatcher.outcomes, key=lambda o: o.item.index)
+            after = {}
+            if died is None:
+                drained = self.servers.drain()
+                leaks = self.servers.read_leaks()
+                client = new_client()
+                final = client.run(self._final_body(), mode)
+                client.close()
+                self.servers.drain()
+                metrics = self.servers.metrics()
+                after = {"drained": drained, "leaks": leaks, "final": final, "metrics": metrics,
+                         "health": self.servers.health()}
+        finally:
+            if self.servers.current is not None:
+                self.servers.stop()
+        return self._report(mode, settings, outcomes, wall, died, after, server.log_path)
+
+    def _final_body(self) -> Body:
+        """After the traffic: the first combination's documents in reverse, as token ids."""
+        combo, order = self.combos[0], tuple(reversed(self.combos[0].doc_ids))
+        p = Item(-1, combo.sys, tuple(self.corpus.docs[d] for d in order), combo.questions[0], True, doc_ids=order)
+        return Body(-1, p.sys, p.docs, p.question, p.as_ids, doc_ids=order, prompts=(p,), combos=(0,), tag="final")
+
+    def check(self, mode: str, outcomes: list[Outcome]) -> dict:
+        """Every completed prompt of ``outcomes`` against its reference."""
+        if self.references is None:
+            self.references = References(self.model_path, self.encoder, self.args.max_tokens, self.args.tie_tol)
+        import torch
+
+        refs = self.references
+        seconds, computed = refs.seconds, dict(refs.computed)
+        # One thread: on a small shared machine two OpenMP threads spin-wait on a busy core
+        # (measured ~7x slower on the tiny model with another job running).
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            found = self._check(mode, outcomes, refs, seconds)
+        finally:
+            torch.set_num_threads(threads)
+        found["references_computed"] = {k: v - computed[k] for k, v in refs.computed.items()}
+        return found
+
+    def _check(self, mode: str, outcomes: list[Outcome], refs: References, seconds: float) -> dict:
+        counts = {"checked": 0, "equal": 0, "wrong": 0, "near_ties": 0, "order_noise": 0}
+        wrong, ties = [], []
+        for outcome in outcomes:
+            if outcome.status != "ok":
+                continue
+            for n, (item, (prompt_ids, got)) in enumerate(zip(outcome.item.prompts, outcome.choices)):
+                v = refs.verdict(mode, item, prompt_ids, got)
+                counts["checked"] += 1
+                counts["order_noise"] += bool(v.get("order_noise"))
+                where = {"index": outcome.item.index, "prompt": n, "batch": outcome.item.batch,
+                         "salt": outcome.item.salt, "as_ids": item.as_ids, "docs": list(item.doc_ids), "got": got}
+                if v["verdict"] == "equal":
+                    counts["equal"] += 1
+                elif v["verdict"] == "tie":
+                    counts["near_ties"] += 1
+                    ties.append({**where, **v})
+                else:
+                    counts["wrong"] += 1
+                    wrong.append({**where, **v})
+        return {**counts, "wrong_samples": wrong[:20], "ties": ties[:50],
+                "reference_seconds": round(refs.seconds - seconds, 1)}
+
+    def _report(self, mode, settings, outcomes, wall, died, after, log_path) -> dict:
+        checks = self.check(mode, outcomes + ([after["final"]] if after.get("final") else []))
+        final = after.get("final")
+        final_verdict = None
+        if final is not None and final.status == "ok":
+            final_verdict = self.references.verdict(mode, final.item.prompts[0], final.prompt_ids,
+                                                    final.token_ids)["verdict"]
+        m = after.get("metrics", {})
+        leaks = after.get("leaks", {})
+        aborted = [o for o in outcomes if o.status == "aborted"]
+        errors = [o for o in outcomes if o.status == "error"]
+        ok = [o for o in outcomes if o.status == "ok"]
+        counters = {name: int(m.get(f"graphchunk_{name}_total", 0)) for name in COUNTERS}
+        log_text = Path(log_path).read_text(errors="replace") if Path(log_path).exists() else ""
+        refs_held, blocks_leaked = (leaks.get(n) for n in LEAK_GAUGES)
+        server_errors = error_lines(str(log_path))
+        invariants = {
+            "no_wrong": checks["wrong"] == 0 and checks["checked"] > 0,
+            "no_errors": not errors and died is None,
+            "no_refs_held_idle": refs_held == 0,
+            "no_blocks_leaked_idle": blocks_leaked == 0,
+            "evictions_happened": counters["evictions"] > 0,
+            "server_alive_after": died is None and after.get("health") == 200 and final_verdict in ("equal", "tie"),
+            "no_server_error_lines": server_errors["count"] == 0,
+        }
+        return {
+            "mode": mode,
+            "passed": all(invariants.values()),
+            "requests": len(outcomes),
+            "prompts": sum(len(o.item.prompts) for o in outcomes),
+            "completed": len(ok),
+            "completed_prompts": sum(len(o.item.prompts) for o in ok),
+            "aborted": len(aborted),
+            "aborts_by_kind": {kind: sum(o.kind == kind for o in aborted) for kind in ACTIONS[1:]},
+            "late_aborts": sum(o.status == "late" for o in outcomes),
+            "errors": len(errors) + (died is not None),
+            "wrong": checks["wrong"],
+            "near_ties": checks["near_ties"],
+            "checked": checks["checked"],
+            "batched_bodies": sum(bool(o.item.batch) for o in outcomes),
+            "batched_bodies_completed": sum(bool(o.item.batch) for o in ok),
+            "batched_by_form": {k: sum(o.item.batch == k for o in outcomes) for k in ("ids", "text")},
+            "salted_bodies": sum(o.item.salt is not None for o in outcomes),
+            "evictions": counters["evictions"],
+            "hits": counters["hits"],
+            "misses": counters["misses"],
+            "hit_rate": H.ratio(counters["hits"], counters["lookups"]),
+            "vllm_preemptions": int(m.get("vllm:num_preemptions_total", 0)),
+            "pool_refs_held": refs_held,
+            "pool_blocks_leaked": blocks_leaked,
+            "invariants": invariants,
+            "graphchunk_counters": counters,
+            "pool_blocks_used_idle": m.get("graphchunk_pool_blocks_used"),
+            "pool_blocks_total": m.get("graphchunk_pool_blocks_total"),
+            "engine": {"requests_added": len(re.findall(r"Added request \S+\.", log_text)),
+                       "requests_aborted": len(re.findall(r"Request \S+ aborted\.", log_text)),
+                       "finished_by_reason": {r: int(m.get(f"vllm_finished_{r}", 0))
+                                              for r in ("stop", "length", "abort", "error")},
+                       "generation_tokens": int(m.get("vllm:generation_tokens_total", 0)),
+                       "drained": after.get("drained")},
+            "final_request": {"status": final.status if final else None, "verdict": final_verdict,
+                              "error": final.error if final else None},
+            "server_died": died,
+            "server_error_lines": server_errors,
+            "error_samples": [{"index": o.item.index, "action": o.item.action, "batch": o.item.batch,
+                               "error": o.error} for o in errors[:20]],
+            "check": checks,
+            "graphchunk_settings": settings,
+            "server_log": str(log_path),
+            "wall_s": round(wall, 1),
+            "requests_per_s": len(ok) / wall if wall else None,
+        }
+
+    def run(self, modes: list[str], command: str) -> dict:
+        a = self.args
+        started = time.monotonic()
+        self.log(f"[pressure] {len(self.trace)} bodies ({sum(len(b.prompts) for b in self.trace)} prompts) over "
+                 f"{len(self.combos)} combinations of {len(self.corpus.docs)} documents; mean context "
+                 f"{self.mean_context:.0f} tokens, pool {self.pool_tokens} tokens (start-up minimum "
+                 f"{self.pool_minimum}), max_model_len {self.max_model_len}, KV cache {self.kv_cache_bytes} bytes")
+        results = {}
+        for mode in modes:
+            results[mode] = self.run_mode(mode)
+            r = results[mode]
+            self.log(f"[pressure] {mode}: " + json.dumps({k: r[k] for k in SUMMARY}))
+        return {
+            "passed": all(r["passed"] for r in results.values()),
+            "modes": results,
+            "pool": {"pool_tokens": self.pool_tokens, "start_up_minimum_tokens": self.pool_minimum,
+                     "mean_context_tokens": round(self.mean_context, 1),
+                     "pool_over_mean_context": round(self.pool_tokens / self.mean_context, 2),
+                     "vllm_kv_tokens": self.vllm_kv_tokens, "kv_cache_bytes": self.kv_cache_bytes,
+                     "max_model_len": self.max_model_len, "max_chunk_len": self.max_chunk_len},
+            "trace": {"bodies": len(self.trace), "prompts": sum(len(b.prompts) for b in self.trace),
+                      "combos": len(self.combos), "documents": len(self.corpus.docs),
+                      "distinct_orders": len({(b.combos[0], p.doc_ids) for b in self.trace for p in b.prompts}),
+                      "actions": {k: sum(b.action == k for b in self.trace) for k in ACTIONS},
+                      "concurrency": a.concurrency, "max_tokens": a.max_tokens},
+            "wall_s": round(time.monotonic() - started, 1),
+            "versions": H.versions(),
+            "config": H.config_dict(a),
+            "command": command,
+        }
+
+
+SUMMARY = ("passed", "requests", "completed", "aborted", "errors", "wrong", "near_ties", "checked",
+           "batched_bodies", "evictions", "hits", "misses", "vllm_preemptions", "pool_refs_held",
+           "pool_blocks_leaked", "wall_s")
+
+
+# --- CLI ----------------------------------------------------------------------------------------
+
+def _pair(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition(",")
+    lo, hi = int(lo), int(hi or lo)
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"expected LO,HI with 1 <= LO <= HI, got {text!r}")
+    return lo, hi
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="perf/soak_pressure.py", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--mode", choices=(*MODES, "both"), default="both")
+    g = p.add_argument_group("model and server")
+    g.add_argument("--model", default="smollm2", help="smollm2, tiny-llama3 (tiny-qwen2, tiny-qwen3) or a path")
+    g.add_argument("--dtype", default="float32")
+    g.add_argument("--block-size", type=int, default=32)
+    g.add_argument("--max-model-len", type=int, default=0, help="0: the longest prompt, max tokens and a little")
+    g.add_argument("--max-num-batched-tokens", type=int, default=128)
+    g.add_argument("--max-num-seqs", type=int, default=0, help="0: twice the concurrency")
+    g.add_argument("--pool-tokens", type=int, default=0, help="0: --pool-contexts mean contexts, at least the "
+                   "worker's start-up minimum")
+    g.add_argument("--pool-contexts", type=float, default=2.0)
+    g.add_argument("--vllm-kv-seqs", type=float, default=1.5,
+                   help="vLLM's own KV cache (beside the pool) in prompts of max_model_len")
+    g.add_argument("--kv-cache-bytes", type=int, default=0, help="0: the pool plus --vllm-kv-seqs")
+    g.add_argument("--eviction", default="", help="the pool's eviction policy ('': the server's default)")
+    g.add_argument("--startup-timeout", type=float, default=900.0)
+    g.add_argument("--request-timeout", type=float, default=600.0)
+    g.add_argument("--rss-interval", type=float, default=1.0)
+    g.add_argument("--log-dir", default="", help="server logs ('': a fresh temp directory)")
+    t = p.add_argument_group("trace")
+    t.add_argument("--requests", type=int, default=500, help="request bodies per mode")
+    t.add_argument("--concurrency", type=int, default=8)
+    t.add_argument("--docs", type=int, default=24, help="documents in the corpus")
+    t.add_argument("--doc-tokens", type=_pair, default=(64, 160), help="LO,HI: document length (log-uniform)")
+    t.add_argument("--docs-per-request", type=_pair, default=(3, 4))
+    t.add_argument("--combos", type=int, default=12, help="(sys prompt, document set) combinations")
+    t.add_argument("--questions-per-combo", type=int, default=2)
+    t.add_argument("--questions", type=int, default=32)
+    t.add_argument("--question-words", type=_pair, default=(6, 14))
+    t.add_argument("--ids-fraction", type=float, default=0.7, help="single bodies sent as token ids + boundaries")
+    t.add_argument("--batch-fraction", type=float, default=0.2, help="bodies carrying 2-4 prompts")
+    t.add_argument("--salt-fraction", type=float, default=0.3, help="bodies with a tenant cache_salt")
+    t.add_argument("--abort-stream", type=float, default=0.03)
+    t.add_argument("--abort-prefill", type=float, default=0.03)
+    t.add_argument("--abort-nostream", type=float, default=0.02)
+    t.add_argument("--max-tokens", type=int, default=8)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--tie-tol", type=float, default=1e-3, help="reference logprob gap below which a difference is a tie")
+    p.add_argument("--out", type=Path, default=REPO / "perf/results/soak_pressure.json")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser().parse_args(argv)
+    H.script_env()
+    modes = list(MODES) if args.mode == "both" else [args.mode]
+    result = PressureSoak(args).run(modes, H.command_line(__file__, argv))
+    H.write_json(args.out, result)
+    print(json.dumps({mode: {k: r[k] for k in SUMMARY} for mode, r in result["modes"].items()}, indent=1))
+    if not result["passed"]:
+        failed = {mode: [k for k, v in r["invariants"].items() if not v] for mode, r in result["modes"].items()}
+        print(f"FAILED: {failed} (details in {args.out})", file=sys.stderr)
+    return 0 if result["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

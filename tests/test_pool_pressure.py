@@ -1,0 +1,158 @@
+"""A full chunk pool never lets one request's misses overwrite what another request's fill of the
+same step copies (``engine/context_scheduler.py``, the invariant in its docstring).
+
+Guards the bug where, within one vLLM ``schedule()``, an all-hit request's plan released its pool
+references at ``allocated()`` while vLLM went on planning the step's other requests: a later
+request whose chunks miss then evicted those entries and got miss jobs writing the very pool
+blocks the first request's fill copied in that step (the workers run a step's jobs before its
+fills). The all-hit prompt got wrong KV, and vLLM's prefix cache served it again to an identical
+request. (With the workers' epoch check, ``cache/context_run.py``, the same bug fails the request
+instead: either way its tokens differ from the oracle's.)
+
+One engine of its own (SmolLM2-135M, fp32, isolated mode, eager: the point is the scheduling, not
+the graphs) with the smallest chunk pool the start-up check admits (``worker.min_pool_blocks``:
+max_model_len, one block and max_chunk_len): after request A (a sys prompt and three ~200-token
+documents) the pool cannot also hold request B's three new documents without evicting A's.
+"""
+from __future__ import annotations
+
+import pytest
+
+from exactness import LIMITS, assert_matches_oracle, joined_sources, sampling
+from graphchunk.llm import RagPrompt
+from graphchunk.segments import split_at
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_oracle_thread")]
+
+BLOCK_SIZE = 32
+MAX_MODEL_LEN = 768
+MAX_CHUNK_LEN = 256
+POOL_BLOCKS = MAX_MODEL_LEN // BLOCK_SIZE + 1 + MAX_CHUNK_LEN // BLOCK_SIZE  # the start-up minimum: 33
+MAX_BATCHED_TOKENS = 256
+DOC_TOKENS = 200  # behind a 20-token sys prompt an entry holds 220 tokens: 7 blocks
+STATS = ("lookups", "hits", "misses", "evictions")
+
+
+@pytest.fixture(scope="module")
+def small_pool_llm(smollm2_path):
+    from graphchunk import GraphChunkLLM
+
+    llm = GraphChunkLLM(str(smollm2_path), dtype="float32", max_model_len=MAX_MODEL_LEN,
+                        kv_cache_memory_bytes=1 << 28, max_num_batched_tokens=MAX_BATCHED_TOKENS,
+                        block_size=BLOCK_SIZE, enable_prefix_caching=True, enforce_eager=True,
+                        graphchunk={"pool_tokens": POOL_BLOCKS * BLOCK_SIZE, "max_chunk_len": MAX_CHUNK_LEN,
+                                    "mode": "isolated"})
+    try:
+        yield llm
+    finally:
+        llm.shutdown()
+
+
+def _generate(llm, oracle, prompts: list) -> dict:
+    """Generates ``prompts`` (RagPrompts, or ordinary token prompts) in one call, checks each
+    against the oracle, and returns the call's stats delta."""
+    before = llm.stats()
+    outputs = llm.generate(prompts, sampling())
+    after = llm.stats()
+    for prompt, out in zip(prompts, outputs, strict=True):
+        ids, boundaries = llm.encode(prompt) if isinstance(prompt, RagPrompt) else (prompt["prompt_token_ids"], [0])
+        assert list(out.prompt_token_ids) == ids
+        finish = out.outputs[0].finish_reason
+        assert finish == "length", f"prompt {prompts.index(prompt)} of {len(prompts)} finished {finish!r} (failed)"
+        assert_matches_oracle(out, split_at(ids, boundaries, **LIMITS), oracle)
+    return {name: after[name] - before[name] for name in STATS}
+
+
+def _chunk_blocks(llm, prompt: RagPrompt) -> int:
+    """Pool blocks of the prompt's chunk entries (isolated: each from its sys prompt's partial last
+    block on, ``context_plan.py``)."""
+    _, boundaries = llm.encode(prompt)
+    offset = boundaries[0] % BLOCK_SIZE
+    return sum(-(-(offset + hi - lo) // BLOCK_SIZE) for lo, hi in zip(boundaries, boundaries[1:]))
+
+
+def test_all_hit_fill_survives_misses_evicting_in_the_same_step(small_pool_llm, oracle, paragraphs, tokenizer):
+    llm = small_pool_llm
+    assert llm.stats()["pool_blocks_total"] == POOL_BLOCKS
+    text = joined_sources(paragraphs, tokenizer, 5)  # this module's own engine: any source is fresh here
+    sys = text.text(20)
+    docs_a = [text.text(DOC_TOKENS) for _ in range(3)]
+    a = RagPrompt(sys, docs_a, text.question(12))
+    a_reversed = RagPrompt(sys, docs_a[::-1], text.question(12))
+    b = RagPrompt(sys, [text.text(DOC_TOKENS) for _ in range(3)], text.question(12))
+    # An ordinary prompt longer than a step's token budget: its first step takes the whole budget,
+    # so A reversed and B, sent with it, have both reached vLLM's engine when the next step plans them
+    # (sent without it, vLLM's engine core may step as soon as A reversed arrives, planning B a step
+    # later: the unfixed scheduler then passed this test).
+    busy = {"prompt_token_ids": tokenizer.encode(text.text(MAX_BATCHED_TOKENS + 40))}
+
+    delta = _generate(llm, oracle, [a])
+    assert (delta["misses"], delta["evictions"]) == (3, 0), delta
+    free = POOL_BLOCKS - llm.stats()["pool_blocks_used"]
+    assert free < _chunk_blocks(llm, b), "B's documents must need room only A's entries can give"
+
+    # One schedule() plans A reversed (all hits: filled in that step) and then B, whose misses
+    # need the blocks of A's entries.
+    delta = _generate(llm, oracle, [busy, a_reversed, b])
+    assert delta["hits"] >= 3 and delta["misses"] == 3 and delta["evictions"] >= 1, delta
+
+    # Again alone: vLLM's prefix cache may serve its blocks from the call above.
+    _generate(llm, oracle, [a_reversed])
+
+    stats = llm.stats()
+    assert stats["pool_refs_held"] == 0 and stats["pool_blocks_leaked"] == 0, stats
+
+
+def _shift_epochs(worker, by: int) -> int:
+    """In the engine's worker: makes every pool block look written by another entry (as a lifetime
+    bug would leave it), or back."""
+    epochs = worker.model_runner.chunk_engine.runner.epochs
+    for block in epochs:
+        epochs[block] += by
+    return len(epochs)
+
+
+def _run_in_worker(llm, fn, *args):
+    import sys
+
+    import cloudpickle
+
+    module = sys.modules[__name__]  # the engine's processes cannot import a test module: send fn by value
+    cloudpickle.register_pickle_by_value(module)
+    try:
+        return llm.llm.collective_rpc(fn, args=args)[0]
+    finally:
+        cloudpickle.unregister_pickle_by_value(module)
+
+
+def test_a_fill_that_would_read_other_kv_fails_the_request_and_is_never_cached(small_pool_llm, oracle, paragraphs,
+                                                                               tokenizer):
+    """The workers' epoch check (``cache/context_run.py``), end to end: a fill whose pool blocks no
+    longer hold what its plan named does not copy; vLLM fails the request (finish_reason 'error')
+    through its KV-load-failure path and evicts the request's blocks from its prefix cache, so the
+    same request afterwards is computed afresh and exact."""
+    llm = small_pool_llm
+    text = joined_sources(paragraphs, tokenizer, 6)
+    c = RagPrompt(text.text(40), [text.text(120) for _ in range(2)], text.question(12))
+    c_reversed = RagPrompt(c.sys, c.chunks[::-1], c.question)
+    _generate(llm, oracle, [c])
+    assert _run_in_worker(llm, _shift_epochs, 10**9) > 0
+    try:
+        (failed,) = llm.generate([c_reversed], sampling())
+    finally:
+        _run_in_worker(llm, _shift_epochs, -10**9)
+    assert failed.outputs[0].finish_reason == "error", failed.outputs[0]
+    delta = _generate(llm, oracle, [c_reversed])  # exact: nothing of the failed fill was served again
+    assert delta["hits"] == 2 and delta["misses"] == 0, delta
+    stats = llm.stats()
+    assert stats["pool_refs_held"] == 0 and stats["pool_blocks_leaked"] == 0, stats
+
+
+def test_skip_reading_prefix_cache_on_a_segmented_prompt_is_refused(small_pool_llm):
+    """vLLM loads nothing from KV connectors for such a request: its context would run causally
+    under graphchunk's salt (and isolated positions would still be moved). Refused, naming it."""
+    from vllm import SamplingParams
+
+    with pytest.raises(ValueError, match="skip_reading_prefix_cache is not available for segmented prompts"):
+        small_pool_llm.generate(sys="S.", chunks=["A document."], question="Q?",
+                                sampling_params=SamplingParams(max_tokens=2, skip_reading_prefix_cache=True))

@@ -1,0 +1,317 @@
+"""Randomized scheduling: graphchunk's connector under vLLM's own scheduler, its workers played by
+graphchunk's own worker engine over a content-tracking fake device, two tensor-parallel ranks.
+
+Each seed draws a stream of requests (sys prompts and documents shared between requests, both
+modes, tenants, several arrivals per step) into a chunk pool that holds about two contexts and a
+KV cache small enough that vLLM preempts; requests are aborted at random (waiting for misses,
+loaded, running) and the workers' reports of finished jobs and loads arrive late at random. After
+every step:
+
+- every context a worker filled holds exactly its semantics' KV in every slot, including what
+  vLLM's prefix cache supplied (the fake device records, per slot, which tokens at which position
+  made it): a fill that read a block some job overwrote before it, or a prefix-cache block of
+  another layout, fails here;
+- vLLM never computes a segmented request's context itself; no copy fails its epoch check (the
+  only invalid blocks are those of requests refused because they never fit the pool);
+- the pool's accounting holds (``ChunkPool.check_invariants``).
+
+At the end every request has finished (scheduled or refused, none waits forever), no reference is
+held and no block leaked, and the stream evicted, hit and missed. A failing seed is in the test id:
+``pytest tests/test_schedule_random.py -k 'seed17'`` replays it; ``GRAPHCHUNK_SCHEDULE_SEEDS=200``
+runs more.
+"""
+from __future__ import annotations
+
+import os
+import random
+from types import SimpleNamespace
+from unittest import mock
+
+import pytest
+import torch
+
+from graphchunk.cache.context_run import ContextRunner
+from graphchunk.cache.keys import KeySpace
+from graphchunk.config import GraphChunkConfig
+from graphchunk.engine.chunk_engine import ChunkEngine
+from graphchunk.engine.connector import GraphChunkHandshake, GraphChunkWorkerMeta, connector_config, work_of
+from graphchunk.engine.context_scheduler import PoolHandshake
+from graphchunk.engine.frontend import RequestAnnotator, chunk_request
+from graphchunk.metrics import METRICS_FILE_ENV, CacheMetrics
+
+BLOCK = 16
+KV_BLOCKS = 48
+"""vLLM's own blocks: small enough that running requests are preempted."""
+POOL_BLOCKS = 24
+BUDGET = 96
+RANKS = 2
+SEEDS = int(os.environ.get("GRAPHCHUNK_SCHEDULE_SEEDS", 24))
+STEPS = 160
+GC = {"mode": "isolated", "max_chunks": 4, "max_chunk_len": 120, "miss_budget": 40}
+
+
+class ContentDevice:
+    """A ``KVDevice`` that records, per slot, the tokens and position whose KV is there."""
+
+    def __init__(self):
+        self.kv: dict[int, tuple] = {}
+
+    def slot(self, block_ids, i: int) -> int:
+        return block_ids[i // BLOCK] * BLOCK + i % BLOCK
+
+    def prefill(self, seqs, num_layers=None):
+        for seq in seqs:
+            for i in range(seq.num_cached, len(seq.token_ids)):
+                self.kv[self.slot(seq.block_ids, i)] = (tuple(seq.token_ids[: i + 1]), int(seq.positions[i]))
+
+    def copy_blocks(self, src, dst):
+        for s, d in zip(src, dst):
+            for o in range(BLOCK):
+                if s * BLOCK + o in self.kv:
+                    self.kv[d * BLOCK + o] = self.kv[s * BLOCK + o]
+
+    def copy_slots(self, src, dst, key_temperature=1.0):
+        values = [self.kv.get(s) for s in src.tolist()]  # read all, then write: one copy kernel
+        self.kv.update(zip(dst.tolist(), values))
+
+    def copy_slots_rotated(self, src, dst, deltas):
+        values = [self.kv.get(s) for s in src.tolist()]
+        for d, value, delta in zip(dst.tolist(), values, deltas.tolist()):
+            self.kv[d] = None if value is None else (value[0], value[1] + delta)
+
+
+def expected(request, t: int):
+    """The KV of context token ``t`` by the request's semantics (DESIGN.md §2): isolated, a chunk
+    token after the sys prompt at positions from S; blend (policy 'legolink' k=2 or 'none'), a chunk
+    computed alone, moved to where it lands, its first tokens recomputed over the whole prefix."""
+    seg, policy = request.seg, request.policy
+    if t < seg.layout.sys_len:
+        return tuple(seg.sys_tokens[: t + 1]), t
+    for i, (begin, end) in enumerate(seg.bounds[1:-1]):
+        if begin <= t < end:
+            if policy is None:
+                return tuple(seg.sys_tokens) + tuple(seg.chunk_tokens(i)[: t - begin + 1]), seg.layout.sys_len + t - begin
+            if policy.name == "legolink" and t - begin < policy.tokens:
+                return tuple(seg.token_ids[: t + 1]), t
+            return tuple(seg.chunk_tokens(i)[: t - begin + 1]), t
+    raise AssertionError(f"token {t} is not context")
+
+
+class Workers:
+    """Two tensor-parallel ranks of graphchunk's worker engine, each over its own fake device."""
+
+    def __init__(self, config: GraphChunkConfig, handshake: PoolHandshake, rng: random.Random):
+        self.rng, self.config = rng, config
+        self.engines = []
+        for _ in range(RANKS):
+            runner = ContextRunner(BLOCK, BUDGET, CacheMetrics())
+            self.engines.append(ChunkEngine(config, runner.metrics, runner, ContentDevice(), handshake, BUDGET))
+        self.loaded: dict[str, int] = {}
+        """Loads reported by some ranks (vLLM's aggregator reports a request once every rank has)."""
+        self.held: set[str] = set()
+        """Loads completed but reported late."""
+        self.done_before = [0] * RANKS
+
+    def step(self, so, scheduler):
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        work = work_of(so.kv_connector_metadata)
+        refused = {fill.req_id: fill for fill in work.fills if fill.refused}
+        invalid, finished = set(), set()
+        for rank, engine in enumerate(self.engines):
+            loads = {load.req_id: load for load in engine.loads + list(work.loads)}
+            with engine.step(so):
+                engine.fill_context()
+                self.check_fills(engine, [f for f in work.fills if not f.refused])
+                self.forward(engine, so, scheduler)
+            for req_id in engine.take_loaded():
+                self.check_fills(engine, [loads[req_id]])
+                self.loaded[req_id] = self.loaded.get(req_id, 0) + 1
+                if self.loaded[req_id] == RANKS:
+                    finished.add(req_id)
+            invalid |= engine.take_invalid()
+            if self.rng.random() < 0.7:  # else the worker's report of its jobs comes a step late
+                self.done_before[rank] = engine.done_before
+        expected_invalid = {b for fill in refused.values() for b in fill.block_ids}
+        assert invalid == expected_invalid, "a copy failed its epoch check: it would have read a block it did not plan"
+        late = {r for r in finished if self.rng.random() < 0.3}
+        report, self.held = (finished - late) | self.held, late
+        for req_id in report:
+            self.loaded.pop(req_id, None)
+        req_ids = list(so.num_scheduled_tokens)
+        return ModelRunnerOutput(
+            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=[[7] for _ in req_ids],
+            kv_connector_output=KVConnectorOutput(
+                finished_recving=report or None, invalid_block_ids=invalid,
+                kv_connector_worker_meta=GraphChunkWorkerMeta(min(self.done_before))))
+
+    def check_fills(self, engine, loads):
+        for load in loads:
+            request = load.request
+            for t in range(request.seg.layout.context_len):
+                got = engine.kv.kv.get(engine.kv.slot(load.block_ids, t))
+                assert got == expected(request, t), f"request {load.req_id}: context token {t} holds {got}"
+
+    def forward(self, engine, so, scheduler):
+        """vLLM's own forward: the scheduled tokens' KV, after the fills; never a segmented request's context."""
+        computed = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
+        computed.update(zip(so.scheduled_cached_reqs.req_ids, so.scheduled_cached_reqs.num_computed_tokens))
+        for req_id, n in so.num_scheduled_tokens.items():
+            request = scheduler.requests[req_id]
+            chunked = engine.requests.get(req_id)
+            start = computed[req_id]
+            assert chunked is None or start >= chunked.seg.layout.context_len, \
+                f"vLLM computes request {req_id}'s context itself (from token {start})"
+            (block_ids,) = scheduler.kv_cache_manager.get_block_ids(req_id)
+            tokens = list(request.all_token_ids)
+            for t in range(start, start + n):
+                engine.kv.kv[engine.kv.slot(block_ids, t)] = ("vllm", tuple(tokens[: t + 1]))
+
+
+def make_vllm_scheduler(smollm2_path, gc: dict):
+    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    model = ModelConfig(model=str(smollm2_path), dtype="float32", max_model_len=1024)
+    config = VllmConfig(
+        model_config=model, cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
+        scheduler_config=SchedulerConfig(max_num_batched_tokens=BUDGET, max_num_seqs=6, max_model_len=1024,
+                                         is_encoder_decoder=False, enable_chunked_prefill=True),
+        kv_transfer_config=connector_config(None), additional_config={"graphchunk": gc})
+    config.cache_config.num_gpu_blocks = KV_BLOCKS
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=16, dtype=torch.float32)
+    kv_cache_config = KVCacheConfig(num_blocks=KV_BLOCKS, kv_cache_tensors=[],
+                                    kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)])
+    hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
+    init_none_hash(hash_fn)
+    scheduler = Scheduler(config, kv_cache_config, StructuredOutputManager(config), block_size=BLOCK)
+    handshake = PoolHandshake(KV_BLOCKS, POOL_BLOCKS, BLOCK, KeySpace("m", "f32"), None, None)
+    with mock.patch.dict(os.environ):
+        os.environ.pop(METRICS_FILE_ENV, None)
+        scheduler.connector.set_xfer_handshake_metadata({rank: GraphChunkHandshake(handshake) for rank in range(RANKS)})
+    return scheduler, handshake, get_request_block_hasher(BLOCK, hash_fn)
+
+
+class Stream:
+    """Random segmented requests over a few shared sys prompts and documents, annotated by
+    graphchunk's own frontend (boundaries, mode, salts)."""
+
+    def __init__(self, rng: random.Random, config: GraphChunkConfig, hasher):
+        self.rng, self.hasher = rng, hasher
+        self.annotator = RequestAnnotator(dataclass_replace(config, separator=""), tokenizer=None)
+        self.systems = [list(range(1000 * (k + 1), 1000 * (k + 1) + rng.randint(0, 40))) for k in range(2)]
+        self.docs = [list(range(20000 + 500 * k, 20000 + 500 * k + rng.randint(3, 70))) for k in range(8)]
+        self.count = 0
+
+    def request(self):
+        from vllm import SamplingParams
+        from vllm.v1.request import Request
+
+        rng = self.rng
+        sys_tokens = rng.choice(self.systems)
+        chunks = rng.sample(self.docs, rng.randint(1, 3))
+        question = [40000 + rng.randrange(50) for _ in range(rng.randint(1, 24))]
+        tokens, boundaries = list(sys_tokens), []
+        for chunk in chunks:
+            boundaries.append(len(tokens))
+            tokens += chunk
+        boundaries.append(len(tokens))
+        tokens += question
+        mode = rng.choice([{}, {"graphchunk_mode": "blend", "graphchunk_recompute": "legolink",
+                                "graphchunk_recompute_tokens": 2},
+                           {"graphchunk_mode": "blend", "graphchunk_recompute": "none"}])
+        params = SamplingParams(max_tokens=rng.randint(1, 6), extra_args={"graphchunk_boundaries": boundaries, **mode})
+        shell = SimpleNamespace(prompt_token_ids=tokens, sampling_params=params, lora_request=None, mm_features=None,
+                                cache_salt=rng.choice([None, None, "tenant-b"]))
+        self.annotator.annotate(shell)
+        self.count += 1
+        return Request(f"r{self.count}", tokens, params, None, cache_salt=shell.cache_salt, block_hasher=self.hasher)
+
+
+def dataclass_replace(config, **changes):
+    import dataclasses
+
+    return dataclasses.replace(config, **changes)
+
+
+@pytest.fixture(scope="module")
+def vllm_scheduler(smollm2_path):
+    from graphchunk.engine import plugin
+
+    plugin.register()
+    return lambda: make_vllm_scheduler(smollm2_path, GC)
+
+
+@pytest.mark.parametrize("seed", [pytest.param(s, id=f"seed{s}") for s in range(SEEDS)])
+def test_random_request_streams_fill_exactly_what_they_planned(vllm_scheduler, seed):
+    from vllm.v1.request import RequestStatus
+
+    rng = random.Random(seed)
+    scheduler, handshake, hasher = vllm_scheduler()
+    config = scheduler.connector._config
+    pool = scheduler.connector._context().pool
+    workers, stream = Workers(config, handshake, rng), Stream(rng, config, hasher)
+    added = []
+    for step in range(STEPS * 3):
+        if step < STEPS:
+            for _ in range(rng.choice([0, 0, 1, 1, 2, 4])):
+                request = stream.request()
+                added.append(request.request_id)
+                scheduler.add_request(request)
+        live = [r for r in scheduler.requests.values() if not r.is_finished()]
+        if live and rng.random() < 0.08:
+            scheduler.finish_requests([rng.choice(live).request_id], RequestStatus.FINISHED_ABORTED)
+        so = scheduler.schedule()
+        scheduler.update_from_output(so, workers.step(so, scheduler))
+        pool.check_invariants()
+        if step >= STEPS and not scheduler.has_unfinished_requests():
+            break
+    assert not scheduler.has_unfinished_requests(), f"seed {seed}: requests never scheduled nor refused: " \
+        f"{[(r.request_id, r.status) for r in scheduler.requests.values()]}"
+    so = scheduler.schedule()  # the last finished ids reach the workers; their late reports arrive
+    workers.held.clear()
+    scheduler.update_from_output(so, workers.step(so, scheduler))
+    so = scheduler.schedule()
+    scheduler.update_from_output(so, workers.step(so, scheduler))
+    pool.audit()
+    assert (pool.metrics.pool_refs_held, pool.metrics.pool_blocks_leaked) == (0, 0)
+    assert all(not engine.loads and not engine.runner.pending_tokens for engine in workers.engines)
+    metrics = workers.engines[0].metrics
+    assert metrics.hits and metrics.misses and len(added) > 20
+
+
+def test_the_streams_exercise_pressure(vllm_scheduler):
+    """Across a few seeds the pool evicts and vLLM preempts: the random test covers both."""
+    evictions = preemptions = 0
+    for seed in range(3):
+        rng = random.Random(seed)
+        scheduler, handshake, hasher = vllm_scheduler()
+        workers, stream = Workers(scheduler.connector._config, handshake, rng), Stream(rng, scheduler.connector._config,
+                                                                                       hasher)
+        for step in range(STEPS):
+            for _ in range(rng.choice([0, 1, 2, 4])):
+                scheduler.add_request(stream.request())
+            so = scheduler.schedule()
+            preemptions += len(so.preempted_req_ids or ())
+            scheduler.update_from_output(so, workers.step(so, scheduler))
+        evictions += scheduler.connector._context().pool.metrics.evictions
+    assert evictions and preemptions, (evictions, preemptions)
+
+
+def test_the_content_check_sees_a_wrong_fill(vllm_scheduler):
+    """The check above can fail: a fill that copies another chunk's KV is caught."""
+    rng = random.Random(0)
+    scheduler, handshake, hasher = vllm_scheduler()
+    workers = Workers(scheduler.connector._config, handshake, rng)
+    stream = Stream(rng, scheduler.connector._config, hasher)
+    request = stream.request()
+    engine = workers.engines[0]
+    chunked = chunk_request(request.prompt_token_ids, request.sampling_params.extra_args, scheduler.connector._config)
+    load = SimpleNamespace(request=chunked, block_ids=list(range(8)), req_id=request.request_id)
+    with pytest.raises(AssertionError, match="context token 0 holds None"):
+        workers.check_fills(engine, [load])
