@@ -16,7 +16,9 @@ every step:
 - the pool's accounting holds (``ChunkPool.check_invariants``).
 
 At the end every request has finished (scheduled or refused, none waits forever), no reference is
-held and no block leaked, and the stream evicted, hit and missed. A failing seed is in the test id:
+held and no block leaked, and the stream evicted, hit and missed. Half as many seeds again run
+under vLLM's asynchronous scheduling (``AsyncScheduler``: the next step is scheduled before the
+workers' output of the last one arrives). A failing seed is in the test id:
 ``pytest tests/test_schedule_random.py -k 'seed17'`` replays it; ``GRAPHCHUNK_SCHEDULE_SEEDS=200``
 runs more.
 """
@@ -169,7 +171,7 @@ class Workers:
                 engine.kv.kv[engine.kv.slot(block_ids, t)] = ("vllm", tuple(tokens[: t + 1]))
 
 
-def make_vllm_scheduler(smollm2_path, gc: dict):
+def make_vllm_scheduler(smollm2_path, gc: dict, asynchronous: bool = False):
     from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -189,6 +191,8 @@ def make_vllm_scheduler(smollm2_path, gc: dict):
                                     kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)])
     hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
     init_none_hash(hash_fn)
+    if asynchronous:
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler as Scheduler  # noqa: N814
     scheduler = Scheduler(config, kv_cache_config, StructuredOutputManager(config), block_size=BLOCK)
     handshake = PoolHandshake(KV_BLOCKS, POOL_BLOCKS, BLOCK, KeySpace("m", "f32"), None, None)
     with mock.patch.dict(os.environ):
@@ -244,18 +248,45 @@ def vllm_scheduler(smollm2_path):
     from graphchunk.engine import plugin
 
     plugin.register()
-    return lambda: make_vllm_scheduler(smollm2_path, GC)
+    return lambda asynchronous=False: make_vllm_scheduler(smollm2_path, GC, asynchronous)
 
 
-@pytest.mark.parametrize("seed", [pytest.param(s, id=f"seed{s}") for s in range(SEEDS)])
-def test_random_request_streams_fill_exactly_what_they_planned(vllm_scheduler, seed):
+class Steps:
+    """vLLM's engine core loop: ``step`` schedules and hands the step to the workers; their output
+    reaches the scheduler at once (synchronous scheduling), or, with asynchronous scheduling (its
+    ``AsyncScheduler``, a queue of two steps as ``EngineCore.step_with_batch_queue`` keeps), after
+    the next step has been scheduled."""
+
+    def __init__(self, scheduler, workers, asynchronous: bool):
+        self.scheduler, self.workers, self.depth = scheduler, workers, 2 if asynchronous else 1
+        self.queue: list = []
+
+    def step(self):
+        so = self.scheduler.schedule()
+        self.queue.append((so, self.workers.step(so, self.scheduler)))
+        if len(self.queue) >= self.depth or not so.total_num_scheduled_tokens:
+            self.flush(keep=0 if not so.total_num_scheduled_tokens else self.depth - 1)
+        return so
+
+    def flush(self, keep: int = 0):
+        while len(self.queue) > keep:
+            self.scheduler.update_from_output(*self.queue.pop(0))
+
+
+STREAMS = [pytest.param(s, False, id=f"seed{s}") for s in range(SEEDS)] + \
+    [pytest.param(s, True, id=f"async-seed{s}") for s in range(SEEDS // 2)]
+
+
+@pytest.mark.parametrize("seed, asynchronous", STREAMS)
+def test_random_request_streams_fill_exactly_what_they_planned(vllm_scheduler, seed, asynchronous):
     from vllm.v1.request import RequestStatus
 
     rng = random.Random(seed)
-    scheduler, handshake, hasher = vllm_scheduler()
+    scheduler, handshake, hasher = vllm_scheduler(asynchronous)
     config = scheduler.connector._config
     pool = scheduler.connector._context().pool
     workers, stream = Workers(config, handshake, rng), Stream(rng, config, hasher)
+    steps = Steps(scheduler, workers, asynchronous)
     added = []
     for step in range(STEPS * 3):
         if step < STEPS:
@@ -266,18 +297,17 @@ def test_random_request_streams_fill_exactly_what_they_planned(vllm_scheduler, s
         live = [r for r in scheduler.requests.values() if not r.is_finished()]
         if live and rng.random() < 0.08:
             scheduler.finish_requests([rng.choice(live).request_id], RequestStatus.FINISHED_ABORTED)
-        so = scheduler.schedule()
-        scheduler.update_from_output(so, workers.step(so, scheduler))
+        steps.step()
         pool.check_invariants()
         if step >= STEPS and not scheduler.has_unfinished_requests():
             break
+    steps.flush()
     assert not scheduler.has_unfinished_requests(), f"seed {seed}: requests never scheduled nor refused: " \
         f"{[(r.request_id, r.status) for r in scheduler.requests.values()]}"
-    so = scheduler.schedule()  # the last finished ids reach the workers; their late reports arrive
+    steps.step()  # the last finished ids reach the workers; their late reports arrive
     workers.held.clear()
-    scheduler.update_from_output(so, workers.step(so, scheduler))
-    so = scheduler.schedule()
-    scheduler.update_from_output(so, workers.step(so, scheduler))
+    steps.step()
+    steps.flush()
     pool.audit()
     assert (pool.metrics.pool_refs_held, pool.metrics.pool_blocks_leaked) == (0, 0)
     assert all(not engine.loads and not engine.runner.pending_tokens for engine in workers.engines)
