@@ -249,6 +249,7 @@ def _entries() -> tuple[Name, ...]:
         ("reset_cache", ()),
         ("get_handshake_metadata", ()),
         ("get_finished", ("finished_req_ids",)),
+        ("get_block_ids_with_load_errors", ()),
         ("build_connector_worker_meta", ()),
     )
     for method, params in connector_methods:
@@ -268,6 +269,11 @@ def _entries() -> tuple[Name, ...]:
           public=True))
     add(n(CFG, "KVTransferConfig.has_connector", "call", CN, CONNECTOR, ("connector_name",)))
     add(n(CFG, "KVTransferConfig.kv_connector", "field", CN, CONNECTOR, public=True))
+    add(n(CFG, "KVTransferConfig.kv_load_failure_policy", "field", CN, CONNECTOR + " (a fill that fails its "
+          "check fails its request; 'recompute' would compute the context causally)", public=True))
+    add(n("vllm.v1.core.sched.scheduler", "Scheduler._handle_invalid_blocks", "attribute", CN,
+          "what fails a request whose fill failed (get_block_ids_with_load_errors) and evicts its blocks from "
+          "the prefix cache"))
     add(n("vllm.distributed.kv_transfer.kv_connector.factory", "KVConnectorFactory", "import", CN, CONNECTOR))
     add(n("vllm.distributed.kv_transfer.kv_connector.factory", "KVConnectorFactory.register_connector", "call",
           CN, CONNECTOR + " (by name, so that MultiConnector's children may name it)",
@@ -503,6 +509,8 @@ def _entries() -> tuple[Name, ...]:
     add(n("vllm.sampling_params", "SamplingParams.extra_args", "attribute", f"{LLM}, {FE}, {DH}",
           "graphchunk's per-request arguments ride in extra_args", public=True))
     add(n("vllm.sampling_params", "SamplingParams.prompt_logprobs", "attribute", FE, "", public=True))
+    add(n("vllm.sampling_params", "SamplingParams.skip_reading_prefix_cache", "attribute", FE, "refused on "
+          "segmented prompts: vLLM then skips KV connectors", public=True))
     add(n("vllm.entrypoints.llm", "LLM.llm_engine", "attribute", f"{LLM}, {WARM}", RPC))
     add(n("vllm.v1.engine.llm_engine", "LLMEngine.engine_core", "attribute", LLM, RPC))
     add(n("vllm.v1.engine.llm_engine", "LLMEngine.model_config", "attribute", WARM, "the dtype the engine "
@@ -615,6 +623,14 @@ def _entries() -> tuple[Name, ...]:
     add(n("vllm.v1.engine.core", "EngineCore.pause_scheduler", "call", "tests/test_templates.py", "",
           ("mode", "clear_cache"), scope=T))
     add(n("vllm.v1.engine.core", "EngineCore.resume_scheduler", "call", "tests/test_templates.py", "", (),
+          scope=T))
+    RS = "tests/test_schedule_random.py"
+    add(n("vllm.v1.core.sched.async_scheduler", "AsyncScheduler", "import", RS, "", scope=T))
+    add(n("vllm.v1.outputs", "KVConnectorOutput.invalid_block_ids", "field", f"{RS}, tests/test_connector.py", "",
+          scope=T))
+    add(n("vllm.v1.core.sched.output", "SchedulerOutput.preempted_req_ids", "field", RS, "", scope=T))
+    add(n("vllm.v1.request", "Request.all_token_ids", "attribute", RS, "", scope=T))
+    add(n("vllm.v1.core.kv_cache_manager", "KVCacheManager.get_block_ids", "call", RS, "", ("request_id",),
           scope=T))
 
     # --- perf only ----------------------------------------------------------------------------------
