@@ -234,6 +234,17 @@ def parse_with_quick(parser, argv, quick: dict):
     return args
 
 
+def int_pair(text: str) -> tuple[int, int]:
+    """An argparse type: ``LO,HI`` (or one number for both) with 1 <= LO <= HI."""
+    import argparse
+
+    lo, _, hi = text.partition(",")
+    lo, hi = int(lo), int(hi or lo)
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"expected LO,HI with 1 <= LO <= HI, got {text!r}")
+    return lo, hi
+
+
 def config_dict(args, skip=()) -> dict:
     """The parsed arguments as JSON (paths as strings)."""
     return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in skip}

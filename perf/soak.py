@@ -269,14 +269,6 @@ class Soak:
 
 # --- CLI ----------------------------------------------------------------------------------------
 
-def _pair(text: str) -> tuple[int, int]:
-    lo, _, hi = text.partition(",")
-    lo, hi = int(lo), int(hi or lo)
-    if not 1 <= lo <= hi:
-        raise argparse.ArgumentTypeError(f"expected LO,HI with 1 <= LO <= HI, got {text!r}")
-    return lo, hi
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="perf/soak.py", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -303,10 +295,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--requests", type=int, default=2000)
     t.add_argument("--concurrency", type=int, default=8)
     t.add_argument("--docs", type=int, default=120, help="documents in the corpus")
-    t.add_argument("--doc-tokens", type=_pair, default=(48, 320), help="LO,HI: document length (log-uniform)")
-    t.add_argument("--docs-per-request", type=_pair, default=(2, 5))
+    t.add_argument("--doc-tokens", type=H.int_pair, default=(48, 320), help="LO,HI: document length (log-uniform)")
+    t.add_argument("--docs-per-request", type=H.int_pair, default=(2, 5))
     t.add_argument("--questions", type=int, default=64)
-    t.add_argument("--question-words", type=_pair, default=(6, 16))
+    t.add_argument("--question-words", type=H.int_pair, default=(6, 16))
     t.add_argument("--zipf", type=float, default=1.1, help="popularity exponent s: P(rank r) ~ r^-s")
     t.add_argument("--ids-fraction", type=float, default=0.2, help="requests sent as token ids + boundaries")
     t.add_argument("--max-tokens", type=int, default=16)

@@ -78,7 +78,7 @@ import harness as H  # noqa: E402
 from soak_check import _prompt  # noqa: E402
 from soak_client import Client, Dispatcher, Estimates, Outcome, client_threads, count_statuses  # noqa: E402
 from soak_server import LEAK_GAUGES, Servers  # noqa: E402
-from soak_trace import ACTIONS, Encoder, Item, build_corpus  # noqa: E402
+from soak_trace import ACTIONS, Encoder, Item, build_corpus, draw_action  # noqa: E402
 
 MODES = ("isolated", "blend-full")
 SALTS = ("tenant-a", "tenant-b")
@@ -140,12 +140,7 @@ def build_trace(corpus, combos: list[Combo], args, rng: random.Random) -> list[B
                 prompts, kind = [prompt(u, as_ids=False) for u in used], "text"
         else:
             prompts, kind, used = [prompt(c, as_ids=rng.random() < args.ids_fraction)], "", (c,)
-        u, action = rng.random(), "complete"
-        for name, rate in rates.items():
-            if u < rate:
-                action = name
-                break
-            u -= rate
+        action = draw_action(rng, rates)
         salt = rng.choice(SALTS) if rng.random() < args.salt_fraction else None
         first = prompts[0]
         bodies.append(Body(index, first.sys, first.docs, first.question, first.as_ids, action, rng.random(),
@@ -559,14 +554,6 @@ SUMMARY = ("passed", "requests", "completed", "aborted", "errors", "wrong", "nea
 
 # --- CLI ----------------------------------------------------------------------------------------
 
-def _pair(text: str) -> tuple[int, int]:
-    lo, _, hi = text.partition(",")
-    lo, hi = int(lo), int(hi or lo)
-    if not 1 <= lo <= hi:
-        raise argparse.ArgumentTypeError(f"expected LO,HI with 1 <= LO <= HI, got {text!r}")
-    return lo, hi
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="perf/soak_pressure.py", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -593,12 +580,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--requests", type=int, default=500, help="request bodies per mode")
     t.add_argument("--concurrency", type=int, default=8)
     t.add_argument("--docs", type=int, default=24, help="documents in the corpus")
-    t.add_argument("--doc-tokens", type=_pair, default=(64, 160), help="LO,HI: document length (log-uniform)")
-    t.add_argument("--docs-per-request", type=_pair, default=(3, 4))
+    t.add_argument("--doc-tokens", type=H.int_pair, default=(64, 160), help="LO,HI: document length (log-uniform)")
+    t.add_argument("--docs-per-request", type=H.int_pair, default=(3, 4))
     t.add_argument("--combos", type=int, default=12, help="(sys prompt, document set) combinations")
     t.add_argument("--questions-per-combo", type=int, default=2)
     t.add_argument("--questions", type=int, default=32)
-    t.add_argument("--question-words", type=_pair, default=(6, 14))
+    t.add_argument("--question-words", type=H.int_pair, default=(6, 14))
     t.add_argument("--ids-fraction", type=float, default=0.7, help="single bodies sent as token ids + boundaries")
     t.add_argument("--batch-fraction", type=float, default=0.2, help="bodies carrying 2-4 prompts")
     t.add_argument("--salt-fraction", type=float, default=0.3, help="bodies with a tenant cache_salt")

@@ -108,16 +108,21 @@ def build_trace(corpus: Corpus, args, rng: random.Random) -> list[Item]:
         k = rng.randint(*args.docs_per_request)
         ranks = nrng.choice(len(corpus.docs), size=k, replace=False, p=popularity)
         doc_ids = tuple(int(order[r]) for r in ranks)
-        u, action = rng.random(), "complete"
-        for name, rate in rates.items():
-            if u < rate:
-                action = name
-                break
-            u -= rate
+        action = draw_action(rng, rates)
         items.append(Item(index, rng.choice(corpus.systems), tuple(corpus.docs[d] for d in doc_ids),
                           rng.choice(corpus.questions), rng.random() < args.ids_fraction, action,
                           rng.random(), doc_ids))
     return items
+
+
+def draw_action(rng: random.Random, rates: dict[str, float]) -> str:
+    """A request's client action: each of ``rates``' abort kinds at its rate, else 'complete'."""
+    u = rng.random()
+    for name, rate in rates.items():
+        if u < rate:
+            return name
+        u -= rate
+    return "complete"
 
 
 def working_set_tokens(items: list[Item], corpus: Corpus, sys_tokens: dict[str, int]) -> int:

@@ -20,9 +20,10 @@ References: a plan holds one on each of its entries until its copies have been s
 (``release``), a job one on its entry (and an isolated chunk's job one on its sys entry) until it
 has run; eviction (``pool.py``) only takes unreferenced ready entries, so no block is reused while
 anything will still read or write it. When a plan may be released is the caller's rule (the
-invariant in ``engine/context_scheduler.py``). Every entry carries an epoch, unique per insert, that
-its job and every copy from it name (``MissJob.epoch``, ``UnitCopy.epoch``): the workers check them. ``plan`` raises ``PoolExhausted`` (having undone itself)
-when the entries in use leave no room.
+invariant in ``engine/context_scheduler.py``). Every entry carries an epoch, unique per insert,
+that its job and every copy from it name (``MissJob.epoch``, ``UnitCopy.epoch``): the workers
+check them. ``plan`` raises ``PoolExhausted`` (having undone itself) when the entries in use
+leave no room.
 """
 from __future__ import annotations
 

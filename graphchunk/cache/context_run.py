@@ -210,12 +210,17 @@ class ContextRunner:
         if not bad:
             return True
         first = min(unit.lo for unit in units) // self.block_size
-        self.invalid.update(prompt.block_ids[first:])
-        logger.error("graphchunk: a context fill would copy pool blocks %s that do not hold the entries it was "
-                     "planned from (epochs %s, found %s); the request fails instead of reading them",
-                     [list(u.entry_blocks) for u in bad], [u.epoch for u in bad],
-                     [[self.epochs.get(b) for b in u.entry_blocks] for u in bad])
+        self.fail(prompt.block_ids[first:], "graphchunk: a context fill would copy pool blocks %s that do not hold "
+                  "the entries it was planned from (epochs %s, found %s); the request fails instead of reading them"
+                  % ([list(u.entry_blocks) for u in bad], [u.epoch for u in bad],
+                     [[self.epochs.get(b) for b in u.entry_blocks] for u in bad]))
         return False
+
+    def fail(self, block_ids, why: str) -> None:
+        """Fails a request whose context cannot be filled: logs ``why`` and leaves its ``block_ids``
+        for ``take_invalid`` (vLLM fails the request and never serves the blocks from its prefix cache)."""
+        logger.error("%s", why)
+        self.invalid.update(block_ids)
 
     def recompute(self, prompts: Sequence, device: KVDevice) -> None:
         blended = [prompt for prompt in prompts if prompt.policy is not None]

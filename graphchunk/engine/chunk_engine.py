@@ -39,7 +39,6 @@ from graphchunk.engine.frontend import UNCHUNKED_ARG, ChunkRequest, chunk_reques
 from graphchunk.engine.runner_kv import RunnerKV
 from graphchunk.engine.step_plan import StepPlan, plan_step
 from graphchunk.graphs.bucket_counts import BucketCounts
-from graphchunk.log import logger
 from graphchunk.metrics import CacheMetrics, MetricsPublisher
 
 
@@ -123,8 +122,7 @@ class ChunkEngine:
         """A load the scheduler refused: the request's blocks are reported invalid (vLLM fails it)."""
         if load.refused is None:
             return False
-        logger.error("%s", load.refused)
-        self.runner.invalid.update(load.block_ids)
+        self.runner.fail(load.block_ids, load.refused)
         return True
 
     def take_invalid(self) -> set[int]:
