@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import torch
 
+from graphchunk.compat import vllm_name
+
 FLEX = "FLEX_ATTENTION"
 SCHEMA = ("reshape_and_cache_flash(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
           "Tensor slot_mapping, str kv_cache_dtype, Tensor k_scale, Tensor v_scale) -> ()")
@@ -77,7 +79,6 @@ def vllm_caches(layout, dtype, num_blocks: int, block_size: int, heads: int, hea
     ``compute_layout_strides``) and the worker's ``allocate_kv_cache`` (one backing buffer,
     ``create_kv_cache_views``); in layer order."""
     from vllm.config import CacheConfig, VllmConfig
-    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
     from vllm.v1.worker.utils import allocate_kv_cache
 
@@ -85,7 +86,7 @@ def vllm_caches(layout, dtype, num_blocks: int, block_size: int, heads: int, hea
     config.cache_config.kv_cache_layout = layout.name
     spec = FullAttentionSpec(block_size=block_size, num_kv_heads=heads, head_size=head_size, dtype=dtype)
     names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
-    kv_cache_config = get_kv_cache_config_from_groups(config, [KVCacheGroupSpec(names, spec)], 1 << 30)
+    kv_cache_config = vllm_name("get_kv_cache_config_from_groups")(config, [KVCacheGroupSpec(names, spec)], 1 << 30)
     assert kv_cache_config.num_blocks == num_blocks
     caches = allocate_kv_cache(kv_cache_config, torch.device("cpu"), layout, [block_size])
     return [caches[name] for name in names]

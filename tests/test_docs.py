@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from graphchunk.compat import vllm_name
+
 REPO = Path(__file__).resolve().parents[1]
 PAGES = ("README.md", "docs/getting-started.md")
 MODEL_CALL = "$(.venv/bin/graphchunk-model smollm2)"
@@ -76,15 +78,14 @@ def page_commands(page: str, model: str) -> list[list[str]]:
 def serve_config(argv: list[str]):
     """The engine configuration ``vllm serve ARGV`` builds before it starts, graphchunk's checks included."""
     from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     from graphchunk.engine.plugin import register
 
     register()
-    args = make_arg_parser(FlexibleArgumentParser(prog="vllm serve")).parse_args(argv)
+    args = vllm_name("make_arg_parser")(FlexibleArgumentParser(prog="vllm serve")).parse_args(argv)
     args.model = args.model_tag or args.model
-    validate_parsed_serve_args(args)
+    vllm_name("validate_parsed_serve_args")(args)
     return AsyncEngineArgs.from_cli_args(args).create_engine_config()
 
 

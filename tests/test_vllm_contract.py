@@ -1,26 +1,29 @@
 """graphchunk's contract with vLLM (``graphchunk/contract/names.py``), checked by
-``graphchunk.contract.check``: every entry holds against the installed vLLM, the
-checker reports what breaks (import + inspect, and ast on a source tree), every vLLM import in
-graphchunk/ has an entry, and the recorded check of the next vLLM release covers every entry.
-No engine is started and nothing is downloaded."""
+``graphchunk.contract.check``: every entry holds against the installed vLLM and against the
+recorded source of every other admitted release (``graphchunk/contract/records/``), the admitted
+releases are the ``cuda`` extra's and each has its branch of every moved name
+(``graphchunk/compat.py``), the checker reports what breaks (import + inspect, ast on a source
+tree, a record), and every vLLM import in graphchunk/ has an entry. No engine is started and
+nothing is downloaded."""
 from __future__ import annotations
 
 import ast
 import json
 import textwrap
+import tomllib
 from pathlib import Path
 
 import pytest
 
-from graphchunk.contract import check
+from graphchunk import compat
+from graphchunk.contract import check, names
 from graphchunk.contract.installed import ImportResolver
 from graphchunk.contract.names import KINDS, NAMES, SCOPES, Name
+from graphchunk.contract.record import RecordingResolver, RecordResolver, record_path, recorded_versions
 from graphchunk.contract.source import SourceResolver
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "perf" / "results" / "vllm_contract.json"
-NEXT_VLLM = "0.33.0"
-"""The vLLM release whose source the recorded check (``RESULTS``) read."""
 
 
 def test_entries_are_unique_and_name_graphchunks_files():
@@ -39,7 +42,8 @@ def test_every_entry_holds_against_the_installed_vllm():
     """If this fails, graphchunk's inventory of the vLLM it is installed with is wrong (or vLLM
     changed under it): fix the entry, or the code that relies on the name."""
     pytest.importorskip("vllm")
-    results = check.check(ImportResolver())
+    resolver = ImportResolver()
+    results = check.check(resolver, release=compat.release(resolver.version))
     failed = [check.line(r) for r in results if not r.ok]
     assert not failed, "\n".join(failed)
 
@@ -179,9 +183,9 @@ def test_the_check_command_exits_1_and_names_what_broke(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "FAIL subclass vllm.v1.worker.gpu_model_runner:GPUModelRunner: module vllm.v1.worker.gpu_model_runner " \
            "not found" in printed
-    runtime = [entry for entry in NAMES if entry.scope == "runtime"]
+    runtime = [entry for entry in NAMES if entry.scope == "runtime"]  # 9.9 is no admitted release: all entries
     assert f"vLLM 9.9.9, source tree (ast): {tmp_path}: {len(runtime)} entries: " in printed
-    record = json.loads(out.read_text())
+    [record] = json.loads(out.read_text())["checks"]
     assert record["vllm_version"] == "9.9.9" and len(record["entries"]) == len(runtime)
 
 
@@ -210,15 +214,122 @@ def test_every_vllm_import_in_graphchunk_has_an_entry():
     assert not missing, "vLLM imports without an entry in graphchunk/contract/names.py:\n" + "\n".join(missing)
 
 
-def test_the_recorded_check_of_the_next_vllm_covers_every_entry():
-    """perf/results/vllm_contract.json: the checker run on vLLM's next release, unpacked from its
-    wheel (``--source``). An entry added since must be checked there too: rerun it (see the file's
-    ``command``)."""
+def _admitted_by_the_cuda_extra() -> tuple[str, ...]:
+    """The vLLM releases (major.minor) ``pip install 'graphchunk[cuda]'`` may install."""
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["cuda"]
+    [spec] = [Requirement(r).specifier for r in extra if Requirement(r).name == "vllm"]
+    return tuple(f"0.{minor}" for minor in range(0, 100) if spec.contains(Version(f"0.{minor}.0")))
+
+
+def test_the_admitted_releases_are_the_cuda_extras_and_each_has_every_branch():
+    """Removing a release's branch of a moved name (or a release from ``RELEASES``) while the
+    ``cuda`` extra still admits that release fails here."""
+    assert compat.RELEASES == _admitted_by_the_cuda_extra()
+    for name, places in compat.MOVED.items():
+        assert set(places) == set(compat.RELEASES), f"compat.MOVED[{name!r}] has no branch for " \
+                                                    f"{sorted(set(compat.RELEASES) - set(places))}"
+        for release in compat.RELEASES:  # the contract checks each place in its own release
+            assert [e.module for e in NAMES if e.qualname == name and e.kind == "import"
+                    and e.applies_to(release)] == [places[release]]
+
+
+def test_every_admitted_release_is_checked_and_holds():
+    """The installed vLLM by import, every other admitted release from its record (read from its
+    wheel, sha256 kept): every entry for that release holds. An entry added since a record was
+    written fails here, naming the command that regenerates the record."""
+    pytest.importorskip("vllm")
+    installed = compat.release()
+    recorded = {compat.release_of(v): v for v in recorded_versions()}
+    assert set(compat.RELEASES) <= set(recorded) | {installed}, "an admitted release has neither record nor install"
+    for release, version in recorded.items():
+        if release == installed:
+            continue
+        resolver = RecordResolver(record_path(version))
+        assert resolver.wheel["file"].startswith(f"vllm-{version}-") and len(resolver.wheel["sha256"]) == 64
+        failed = [check.line(r) for r in check.check(resolver, release=release) if not r.ok]
+        assert not failed, "\n".join(failed)
+
+
+def test_a_branch_removed_fails_against_its_release(monkeypatch):
+    """If the 0.33 branch of a moved name were dropped (0.33 using 0.32's place), the check of the
+    0.33 record says so."""
+    later = compat.RELEASES[-1]
+    version = {compat.release_of(v): v for v in recorded_versions()}[later]
+    moved = {name: dict(places) for name, places in compat.MOVED.items()}
+    moved["is_quantized_kv_cache"][later] = moved["is_quantized_kv_cache"][compat.RELEASES[0]]
+    monkeypatch.setattr(names, "MOVED", moved)
+    entries = [e for e in names._entries() if e.qualname == "is_quantized_kv_cache"]
+    results = check.check(RecordResolver(record_path(version)), tuple(entries), release=later)
+    assert results and not any(r.ok for r in results)
+    assert all("regenerate it: python -m graphchunk.contract.record" in r.reason
+               or "has no name is_quantized_kv_cache" in r.reason for r in results), [r.reason for r in results]
+
+
+def test_a_record_answers_as_the_source_it_was_read_from(tmp_path):
+    """The fake tree checked through a recording, then from the record alone: the same outcome for
+    every entry, and an entry the record never saw fails naming the regenerating command."""
+    for path, text in FAKE_VLLM.items():
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(textwrap.dedent(text))
+    m = "vllm.things"
+    entries = (
+        Name(m, "Runner.step", "override", "x", params=("output", "tensors")),
+        Name(m, "Runner.step", "override", "y", params=("output",)),
+        Name(m, "Runner.execute", "override", "x", params=("output", "...")),
+        Name(m, "Runner.state", "attribute", "x"),
+        Name(m, "Runner.level", "attribute", "x"),
+        Name(m, "Thing", "call", "x", params=("size", "hidden")),
+        Name(m, "Thing.tags", "field", "x"),
+        Name(m, "Moved.level", "attribute", "x"),
+        Name("vllm.gone", "Thing", "import", "x"),
+        Name(m, "Runner._prepare", "patch", "x", params=("output", "*", "..."), callers=(f"{m}:Runner",)),
+    )
+    recording = RecordingResolver(tmp_path)
+    live = [(r.ok, r.reason) for r in check.check(recording, entries)]
+    assert [ok for ok, _ in live] == [True, False, True, True, False, False, True, True, False, True]
+    saved = tmp_path / "record.json"
+    saved.write_text(json.dumps({"vllm_version": "0.33.0", "wheel": {"file": "w", "sha256": "0" * 64},
+                                 "objects": recording.objects, "answers": recording.answers}))
+    replayed = RecordResolver(saved)
+    assert [(r.ok, r.reason) for r in check.check(replayed, entries)] == live
+    unseen = check.check_entry(Name(m, "Runner.device", "attribute", "x"), replayed)
+    assert not unseen.ok and "regenerate it: python -m graphchunk.contract.record 0.33.0" in unseen.reason
+
+
+def test_the_recorded_results_cover_every_admitted_release():
+    """perf/results/vllm_contract.json: the check command's record (every admitted release)."""
     record = json.loads(RESULTS.read_text())
-    assert record["vllm_version"] == NEXT_VLLM
-    assert record["wheel"]["file"].startswith(f"vllm-{NEXT_VLLM}-") and len(record["wheel"]["sha256"]) == 64
-    assert record["checked"].startswith("source tree (ast)")
-    recorded = {entry["key"]: entry for entry in record["entries"]}
-    assert set(recorded) == {entry.key for entry in NAMES}, "rerun the check: the contract's entries changed"
-    assert all(entry["ok"] or entry["reason"] for entry in recorded.values())
-    assert record["failed"] == [key for key, entry in recorded.items() if not entry["ok"]]
+    assert record["admitted"] == list(compat.RELEASES)
+    checked = {compat.release_of(c["vllm_version"]): c for c in record["checks"]}
+    assert set(checked) == set(compat.RELEASES)
+    for release, found in checked.items():
+        assert {e["key"] for e in found["entries"]} == {e.key for e in NAMES if e.applies_to(release)}, \
+            "rerun the check: the contract's entries changed (see the file's command)"
+        assert found["failed"] == [e["key"] for e in found["entries"] if not e["ok"]]
+
+
+def test_the_render_wrapper_passes_on_what_vllm_033_added(monkeypatch):
+    """vLLM 0.33's ``ServingRender.render_chat_request`` gained ``engine_chat_template_kwargs``:
+    graphchunk's wrapper (document_hooks) forwards it, and still runs on 0.32's signature."""
+    pytest.importorskip("vllm")
+    import asyncio
+
+    from vllm.entrypoints.scale_out.render.serving import ServingRender
+
+    from graphchunk.engine import document_hooks
+
+    seen = []
+
+    async def render_033(self, request, raw_request=None, engine_chat_template_kwargs=None):
+        seen.append((request, raw_request, engine_chat_template_kwargs))
+        return None
+
+    monkeypatch.setattr(ServingRender, "render_chat_request", render_033)
+    document_hooks._carry_into_render_endpoint()
+    kwargs_hook = dict
+    asyncio.run(ServingRender.render_chat_request(object(), "req", None, engine_chat_template_kwargs=kwargs_hook))
+    asyncio.run(ServingRender.render_chat_request(object(), "req"))
+    assert seen == [("req", None, kwargs_hook), ("req", None, None)]

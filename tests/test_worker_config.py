@@ -32,6 +32,23 @@ def test_valid_config_passes():
     check_config(vllm_config(), GraphChunkConfig(pool_tokens=4096, max_chunk_len=512))
 
 
+@pytest.mark.parametrize("version", ["0.31.2", "0.34.0", "1.0.0"])
+def test_a_vllm_outside_the_supported_releases_is_refused(monkeypatch, version):
+    import vllm
+
+    monkeypatch.setattr(vllm, "__version__", version)
+    with pytest.raises(ConfigError, match=rf"graphchunk supports vLLM 0.32 and 0.33; this is vLLM {version}"):
+        check_config(vllm_config(), GraphChunkConfig(pool_tokens=4096, max_chunk_len=512))
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.33.0", "0.33.1+cu130", "0.33.0rc1"])
+def test_the_supported_releases_pass(monkeypatch, version):
+    import vllm
+
+    monkeypatch.setattr(vllm, "__version__", version)
+    check_config(vllm_config(), GraphChunkConfig(pool_tokens=4096, max_chunk_len=512))
+
+
 @pytest.mark.parametrize("overrides, gc, message", [
     ({"use_v2_model_runner": True}, {}, "V1 model runner"),
     ({"pp": 2}, {}, "pipeline parallelism"),

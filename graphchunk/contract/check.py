@@ -1,13 +1,17 @@
-"""Checks graphchunk's contract with vLLM (``graphchunk/contract/names.py``) against a vLLM.
+"""Checks graphchunk's contract with vLLM (``graphchunk/contract/names.py``) against each vLLM it admits.
 
-    python -m graphchunk.contract.check                 # the installed vLLM: import + inspect
-    python -m graphchunk.contract.check --source DIR    # a source tree (DIR/vllm/...): ast only
-    python -m graphchunk.contract.check --source DIR --results perf/results/vllm_contract.json \\
-        --wheel vllm-0.33.0-....whl                     # and record the outcome
+    python -m graphchunk.contract.check                 # the installed vLLM (import + inspect) and the
+                                                        # recorded source of every other admitted release
+    python -m graphchunk.contract.check --results perf/results/vllm_contract.json   # and write the outcome
+    python -m graphchunk.contract.check --source DIR    # a source tree (DIR/vllm/...) instead: ast only
 
-``--source`` reads the tree with ``ast`` and imports nothing from it, so an unpacked wheel of
-another vLLM release (``pip download vllm==X --no-deps``, unzipped) is judged without installing
-it. Prints one line per failing entry naming what broke, then a summary; exits 1 if any fail.
+Each check reads the entries for its release (``Name.releases``; a name that moved between releases
+has one entry per place, ``graphchunk.compat.MOVED``). The other admitted releases are read from
+their records (``graphchunk/contract/records/vllm-X.json``, written by ``python -m
+graphchunk.contract.record X`` from the release's wheel, its sha256 kept): an entry the record cannot
+answer fails, naming that command. ``--source`` reads a tree with ``ast`` and imports nothing from
+it, so an unpacked wheel of a release not yet admitted is judged without installing it. Prints one
+line per failing entry naming what broke, then a summary per release; exits 1 if any fail.
 
 The installed check imports the modules and inspects the objects. Where graphchunk's plugin has
 already wrapped a vLLM method in this process (``plugin.register``), the check reads the vLLM
@@ -27,9 +31,11 @@ import shlex
 import sys
 from pathlib import Path
 
+from graphchunk.compat import RELEASES, release_of
 from graphchunk.contract.installed import ImportResolver
 from graphchunk.contract.names import NAMES, Name
 from graphchunk.contract.params import Obj, Unavailable, call_problem, pattern_problem
+from graphchunk.contract.record import NotRecorded, RecordResolver, record_path, recorded_versions
 from graphchunk.contract.source import SourceResolver
 
 
@@ -45,9 +51,11 @@ class Result:
 
 
 def check_entry(entry: Name, resolver) -> Result:
-    """One entry against one resolver (``ImportResolver`` or ``SourceResolver``)."""
+    """One entry against one resolver (``ImportResolver``, ``SourceResolver`` or a record's)."""
     try:
         problem, note = _check(entry, resolver)
+    except NotRecorded as exc:
+        return Result(entry, False, str(exc))
     except Unavailable as exc:
         if not isinstance(resolver, ImportResolver):
             raise
@@ -66,7 +74,7 @@ def _check(entry: Name, r) -> tuple[str | None, str]:
             return f"module {module} not found", ""
         return (None, "") if found else (f"no string {qualname!r} in {module}", "")
     def hint() -> str:
-        return r.hint(qualname.split(".")[0]) if isinstance(r, SourceResolver) else ""
+        return r.hint(qualname.split(".")[0]) if getattr(r, "searches_tree", False) else ""
 
     if not r.module(module) and kind in ("import", "subclass", "classname"):
         return f"module {module} not found{hint()}", ""
@@ -138,7 +146,7 @@ def _owner(entry: Name, r, owner_name: str) -> tuple[Obj | None, str]:
         obj = r.member(obj, part) if obj is not None and obj.kind == "class" else None
     if obj is not None and obj.kind == "class":
         return obj, ""
-    if isinstance(r, SourceResolver) and len(parts) == 1:
+    if getattr(r, "searches_tree", False) and len(parts) == 1:
         moved = r.find_class(owner_name)
         if len(moved) >= 1:
             places = sorted({m.module for m in moved})
@@ -160,8 +168,9 @@ def _check_call(entry: Name, r, obj: Obj) -> tuple[str | None, str]:
     return (f"{entry.qualname} {problem}" if problem else None), obj.note
 
 
-def check(resolver, names: tuple[Name, ...] = NAMES) -> list[Result]:
-    return [check_entry(entry, resolver) for entry in names]
+def check(resolver, names: tuple[Name, ...] = NAMES, release: str | None = None) -> list[Result]:
+    """Each of ``names`` that is for ``release`` (major.minor; None: every entry) against ``resolver``."""
+    return [check_entry(entry, resolver) for entry in names if release is None or entry.applies_to(release)]
 
 
 # --- reporting ------------------------------------------------------------------------------------
@@ -198,64 +207,99 @@ def source_version(root: Path) -> str | None:
     return None
 
 
-def results_record(results: list[Result], version: str | None, checked: str, wheel: Path | None) -> dict:
+def results_record(results: list[Result], version: str | None, checked: str, wheel: dict | None) -> dict:
+    """One check's outcome as JSON (``wheel``: the file and sha256 the checked source came from)."""
     record = {
         "vllm_version": version,
         "checked": checked,
-        "date": datetime.date.today().isoformat(),
         "summary": summary(results),
         "failed": [r.name.key for r in results if not r.ok],
         "entries": [{"key": r.name.key, "kind": r.name.kind, "scope": r.name.scope, "used_in": r.name.used_in,
                      "ok": r.ok, "reason": r.reason} for r in results],
     }
     if wheel is not None:
-        record["wheel"] = {"file": wheel.name, "sha256": hashlib.sha256(wheel.read_bytes()).hexdigest()}
+        record["wheel"] = wheel
     return record
+
+
+def wheel_of(path: Path) -> dict:
+    return {"file": path.name, "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+
+
+def _release(version: str | None) -> str | None:
+    """The admitted release ``version`` belongs to (its entries are checked), or None (all entries)."""
+    try:
+        found = release_of(version or "")
+    except ValueError:
+        return None
+    return found if found in RELEASES else None
+
+
+def targets(source: Path | None, wheel: Path | None) -> list[tuple[object, str | None, str, dict | None]]:
+    """(resolver, vLLM version, what was checked, wheel) of each check to run: ``source`` alone, else
+    the installed vLLM (if any) and the record of every other admitted release."""
+    if source is not None:
+        return [(SourceResolver(source), source_version(source), f"source tree (ast): {source}",
+                 wheel_of(wheel) if wheel else None)]
+    found = []
+    try:
+        installed = ImportResolver()
+    except ImportError:
+        installed = None
+        print("vLLM is not installed here: only the recorded releases are checked")
+    else:
+        found.append((installed, installed.version, "installed (import + inspect)", None))
+    for version in recorded_versions():
+        if _release(version) is None or (installed is not None and _release(version) == _release(installed.version)):
+            continue
+        recorded = RecordResolver(record_path(version))
+        found.append((recorded, version, recorded.label, recorded.wheel))
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m graphchunk.contract.check",
-                                     description="Check graphchunk's vLLM contract (graphchunk/contract/names.py).")
-    parser.add_argument("--source", type=Path, help="a vLLM source tree (DIR/vllm/...), read with ast only; "
-                                                    "default: the installed vLLM, imported")
+                                     description="Check graphchunk's vLLM contract (graphchunk/contract/names.py) "
+                                                 "against the installed vLLM and the recorded source of every "
+                                                 "other admitted release (graphchunk/contract/records/).")
+    parser.add_argument("--source", type=Path, help="a vLLM source tree (DIR/vllm/...), read with ast only, "
+                                                    "checked instead")
     parser.add_argument("--scope", default="runtime,test,perf",
                         help="comma-separated scopes to check (runtime, test, perf; default all)")
     parser.add_argument("--results", type=Path, help="write the outcome as JSON here")
-    parser.add_argument("--wheel", type=Path, help="the wheel the source was unpacked from (recorded with "
+    parser.add_argument("--wheel", type=Path, help="the wheel --source was unpacked from (recorded with "
                                                    "its sha256 in --results)")
     parser.add_argument("--note", help="a free-text verdict recorded in --results")
     parser.add_argument("-v", "--verbose", action="store_true", help="also list passing entries with notes")
     args = parser.parse_args(argv)
     scopes = set(args.scope.split(","))
     names = tuple(e for e in NAMES if e.scope in scopes)
-    if args.source:
-        if not (args.source / "vllm" / "__init__.py").is_file():
-            parser.error(f"{args.source} has no vllm/__init__.py")
-        resolver, version = SourceResolver(args.source), source_version(args.source)
-        checked = f"source tree (ast): {args.source}"
-    else:
-        resolver = ImportResolver()
-        version, checked = resolver.version, "installed (import + inspect)"
-    results = check(resolver, names)
-    for result in results:
-        if not result.ok:
-            print(line(result))
-        elif args.verbose and result.reason:
-            print(f"ok   {result.name.key}: {result.reason}")
-    print(f"vLLM {version}, {checked}: {summary(results)}")
+    if args.source and not (args.source / "vllm" / "__init__.py").is_file():
+        parser.error(f"{args.source} has no vllm/__init__.py")
+    checks, failed = [], False
+    for resolver, version, checked, wheel in targets(args.source, args.wheel):
+        results = check(resolver, names, release=_release(version))
+        for result in results:
+            if not result.ok:
+                print(line(result))
+            elif args.verbose and result.reason:
+                print(f"ok   {result.name.key}: {result.reason}")
+        print(f"vLLM {version}, {checked}: {summary(results)}")
+        checks.append(results_record(results, version, checked, wheel))
+        failed = failed or any(not r.ok for r in results)
     if args.results:
         args.results.parent.mkdir(parents=True, exist_ok=True)
-        record = results_record(results, version, checked, args.wheel)
         given = list(argv if argv is not None else sys.argv[1:])
         if "--note" in given:  # the verdict is recorded on its own
             at = given.index("--note")
             del given[at:at + 2]
         given = [arg for arg in given if not arg.startswith("--note=")]
-        record["command"] = shlex.join(["python", "-m", "graphchunk.contract.check", *given])
+        record = {"date": datetime.date.today().isoformat(), "admitted": list(RELEASES), "checks": checks,
+                  "command": shlex.join(["python", "-m", "graphchunk.contract.check", *given])}
         if args.note:
             record["note"] = args.note
         args.results.write_text(json.dumps(record, indent=1) + "\n")
-    return 1 if any(not r.ok for r in results) else 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -60,6 +60,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from graphchunk.compat import MOVED, RELEASES
+
 KINDS = ("module", "import", "subclass", "classname", "override", "patch", "hook", "call", "attribute",
          "field", "literal")
 SCOPES = ("runtime", "test", "perf")
@@ -85,12 +87,20 @@ class Name:
     scope: str = "runtime"
     public: bool = False
     guarded: bool = False
+    releases: tuple[str, ...] = ()
+    """The admitted vLLM releases (``graphchunk.compat.RELEASES``) this entry is for; () means all.
+    A name that moved has one entry per place (``graphchunk.compat.MOVED``)."""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"unknown kind {self.kind!r}")
         if self.scope not in SCOPES:
             raise ValueError(f"unknown scope {self.scope!r}")
+        if not set(self.releases) <= set(RELEASES):
+            raise ValueError(f"{self.key}: releases {self.releases} not among the admitted {RELEASES}")
+
+    def applies_to(self, release: str) -> bool:
+        return not self.releases or release in self.releases
 
     @property
     def key(self) -> str:
@@ -181,6 +191,14 @@ def _entries() -> tuple[Name, ...]:
     n = Name
     entries: list[Name] = []
     add = entries.append
+
+    def moved(name: str, kind: str, used_in: str, why: str = "", params=None, scope: str = "runtime") -> None:
+        """A name that moved between admitted releases: one entry per module (``compat.MOVED``)."""
+        places: dict[str, list[str]] = {}
+        for release, module in MOVED[name].items():
+            places.setdefault(module, []).append(release)
+        for module, releases in places.items():
+            add(n(module, name, kind, used_in, why, params, scope=scope, releases=tuple(releases)))
 
     # --- the model runner (model_runner.py, worker.py) ----------------------------------------------
     add(n(GMR, "GPUModelRunner", "subclass", f"{MR}, {WK}", RUNNER))
@@ -292,10 +310,10 @@ def _entries() -> tuple[Name, ...]:
           "its connector when the user named none)"))
 
     # --- the KV cache (kv_binding.py, runner_kv.py, worker.py) ---------------------------------------
-    add(n("vllm.v1.core.kv_cache_utils", "get_kv_cache_config_from_groups", "import", f"{KB}, tests/gpu_style.py",
-          KV + " (with num_gpu_blocks_override raised: the grown config vLLM itself would build)"))
-    add(n("vllm.v1.core.kv_cache_utils", "get_kv_cache_config_from_groups", "call", f"{KB}, tests/gpu_style.py", KV,
-          ("vllm_config", "kv_cache_groups", "available_memory")))
+    moved("get_kv_cache_config_from_groups", "import", f"{KB}, tests/gpu_style.py",
+          KV + " (with num_gpu_blocks_override raised: the grown config vLLM itself would build)")
+    moved("get_kv_cache_config_from_groups", "call", f"{KB}, tests/gpu_style.py", KV,
+          ("vllm_config", "kv_cache_groups", "available_memory"))
     for attr in ("num_blocks", "kv_cache_groups", "kv_cache_layout", "hash_block_size",
                  "cache_hit_alignment_tokens"):
         add(n(KVI, f"KVCacheConfig.{attr}", "field", f"{KB}, {MR}", KV + " (copied with dataclasses.replace)"))
@@ -371,9 +389,8 @@ def _entries() -> tuple[Name, ...]:
           "here; graphchunk swaps its class after)", (), (f"{WB}:WorkerWrapperBase",)))
     for attr in ("vllm_config", "cache_config", "device", "model_runner"):
         add(n(GW, f"Worker.{attr}", "attribute", WK, WORKER))
-    add(n("vllm.utils.torch_utils", "is_quantized_kv_cache", "import", WK, "how vLLM itself tells a "
-          "quantized KV cache dtype"))
-    add(n("vllm.utils.torch_utils", "is_quantized_kv_cache", "call", WK, "", ("kv_cache_dtype",)))
+    moved("is_quantized_kv_cache", "import", WK, "how vLLM itself tells a quantized KV cache dtype")
+    moved("is_quantized_kv_cache", "call", WK, "", ("kv_cache_dtype",))
     add(n("vllm.utils.torch_utils", "STR_DTYPE_TO_TORCH_DTYPE", "import", WK, "vLLM's own map of "
           "--kv-cache-dtype names"))
     add(n("vllm.utils.math_utils", "cdiv", "import", WK, "vLLM's helper (ceiling division)"))
@@ -471,7 +488,7 @@ def _entries() -> tuple[Name, ...]:
     add(n("vllm.renderers.params", "ChatParams.chat_template_kwargs", "field", DH, RENDER))
     add(n(SRS, "ServingRender", "import", DH, RENDER + " (scale-out render endpoint)", guarded=True))
     add(n(SRS, "ServingRender.render_chat_request", "patch", DH, RENDER + " (scale-out render endpoint)",
-          ("request", "raw_request"), ("vllm.entrypoints.scale_out.render.api_router",), guarded=True))
+          ("request", "raw_request", "..."), ("vllm.entrypoints.scale_out.render.api_router",), guarded=True))
     add(n("vllm.entrypoints.scale_out.token_in_token_out.protocol", "GenerateRequest.sampling_params",
           "field", DH, RENDER + " (the boundaries go into the render endpoint's sampling params)", guarded=True))
 
@@ -540,8 +557,6 @@ def _entries() -> tuple[Name, ...]:
         ("vllm.compilation.counter", "compilation_counter", "tests/test_compiled_forward.py"),
         (FC, "get_forward_context", "tests/test_compiled_forward.py"),
         ("vllm.engine.arg_utils", "AsyncEngineArgs", "tests/test_docs.py"),
-        ("vllm.entrypoints.launchers.cli_args", "make_arg_parser", "tests/test_docs.py"),
-        ("vllm.entrypoints.launchers.cli_args", "validate_parsed_serve_args", "tests/test_docs.py"),
         ("vllm.utils.argparse_utils", "FlexibleArgumentParser", "tests/test_docs.py"),
         ("vllm.renderers.params", "ChatParams", "tests/test_documents.py"),
         ("vllm.renderers.cohere", "CohereRenderer", "tests/test_documents.py"),
@@ -555,6 +570,8 @@ def _entries() -> tuple[Name, ...]:
     ]
     for module, name, where in tests:
         add(n(module, name, "import", where, "", scope=T))
+    for name in ("make_arg_parser", "validate_parsed_serve_args"):
+        moved(name, "import", "tests/test_docs.py", scope=T)
     add(n(f"{BACKENDS}.flex_attention", "", "module", "tests/gpu_style.py", scope=T))
     add(n("vllm.envs", "VLLM_ALLOW_INSECURE_SERIALIZATION", "literal", "tests/conftest.py", "tests send "
           "functions to the worker through collective_rpc", scope=T))

@@ -78,6 +78,8 @@ class SourceResolver:
     """vLLM's source tree under ``root`` (``root/vllm/...``), read with ``ast``; nothing imported."""
 
     label = "source"
+    searches_tree = True
+    """It can look a name up anywhere in the tree (``find_class``, ``hint``): moved classes are found."""
 
     def __init__(self, root: Path):
         self.root = Path(root)

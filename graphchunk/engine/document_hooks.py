@@ -167,9 +167,9 @@ def _carry_into_render_endpoint() -> None:
         return
     render_chat_request = ServingRender.render_chat_request
 
-    async def with_boundaries(self, request, raw_request=None):
-        _RENDERED.set(None)
-        result = await render_chat_request(self, request, raw_request)
+    async def with_boundaries(self, request, raw_request=None, *args, **kwargs):
+        _RENDERED.set(None)  # vLLM 0.33 added engine_chat_template_kwargs: forwarded as given
+        result = await render_chat_request(self, request, raw_request, *args, **kwargs)
         carried, params = _RENDERED.get(), getattr(result, "sampling_params", None)
         if carried is not None and params is not None:
             params.extra_args = {**(params.extra_args or {}), BOUNDARIES_ARG: list(carried.boundaries) or [0]}

@@ -19,6 +19,7 @@ from graphchunk.cache.host_tier import HostTier
 from graphchunk.cache.keys import KeySpace
 from graphchunk.cache.kv_slots import KVCopier, KVSlotMap
 from graphchunk.cache.store import ChunkStore, StoreIdentity, weights_digest
+from graphchunk.compat import vllm_name
 from graphchunk.config import ConfigError, GraphChunkConfig
 from graphchunk.engine.blend_support import BlendSupport
 from graphchunk.engine.chunk_engine import ChunkEngine
@@ -33,7 +34,7 @@ from graphchunk.metrics import METRICS_FILE_ENV, WORKER_FIELDS, CacheMetrics, Me
 
 def grown_kv_cache_config(vllm_config, kv_cache_config, extra: int):
     """The same KV cache config with ``extra`` blocks per layer past the scheduler's ``num_blocks``."""
-    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
+    get_kv_cache_config_from_groups = vllm_name("get_kv_cache_config_from_groups")
 
     cache_config = vllm_config.cache_config
     saved = cache_config.num_gpu_blocks_override

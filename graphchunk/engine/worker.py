@@ -17,6 +17,7 @@ import dataclasses
 
 from graphchunk.blend.rope import hf_rope_refusal
 from graphchunk.cache.store import prepare_directory, weights_digest
+from graphchunk.compat import UnsupportedVLLM, release, vllm_name
 from graphchunk.config import ConfigError, GraphChunkConfig
 from graphchunk.engine.frontend import temperature_refusal
 from graphchunk.engine.graph_config import vllm_graphs
@@ -47,6 +48,10 @@ def platform_worker_class() -> type:
 
 def check_config(vllm_config, config: GraphChunkConfig) -> None:
     """Start-up checks that would otherwise fail later, inside a step."""
+    try:
+        release()
+    except UnsupportedVLLM as exc:  # a vLLM graphchunk does not admit, refused naming the ones it does
+        raise ConfigError(str(exc)) from None
     if getattr(vllm_config, "use_v2_model_runner", False):
         raise ConfigError("graphchunk needs vLLM's V1 model runner, and this configuration selects V2 "
                           "(VLLM_USE_V2_MODEL_RUNNER=1, or a feature only V2 has); graphchunk engines select "
@@ -117,9 +122,7 @@ def check_kv_cache_dtype(cache_config) -> None:
     graphchunk's slot copies, key rotation and key reads move and rotate elements, with no fp8
     scales and no packed formats. Run on the built config (vLLM resolves a checkpoint's KV
     quantization scheme into ``cache_dtype`` there) and again after the worker loaded the model."""
-    from vllm.utils.torch_utils import is_quantized_kv_cache
-
-    if is_quantized_kv_cache(cache_config.cache_dtype):
+    if vllm_name("is_quantized_kv_cache")(cache_config.cache_dtype):
         raise ConfigError(f"graphchunk does not support a quantized KV cache, kv_cache_dtype="
                           f"{cache_config.cache_dtype!r} (--kv-cache-dtype, or the checkpoint's KV cache quantization): "
                           f"its slot copies and key rotation are written for float KV caches; start with "
