@@ -196,6 +196,23 @@ class MetricsPublisher:
         self.values[self.index] = [snapshot[name] for name in self.fields]
 
 
+def engine_metrics_file(engine: int) -> str | None:
+    """The file engine core ``engine`` (its data-parallel index, 0 without data parallelism)
+    publishes to: the name its main process exported, suffixed for engines past the first."""
+    import os
+
+    base = os.environ.get(METRICS_FILE_ENV)
+    return None if not base else base if engine == 0 else f"{base}.dp{engine}"
+
+
+def engine_metrics_files(base: str) -> list[tuple[str, str]]:
+    """(engine index, file) of every engine publishing under ``base``, engine 0 first."""
+    import glob
+
+    suffixed = sorted(glob.glob(glob.escape(base) + ".dp*"), key=lambda path: int(path.rsplit(".dp", 1)[1]))
+    return [("0", base)] + [(path.rsplit(".dp", 1)[1], path) for path in suffixed]
+
+
 def read_published(path: str | None = None) -> dict[str, float] | None:
     """The last published snapshot, or None before the worker published one."""
     import os
@@ -209,15 +226,24 @@ def read_published(path: str | None = None) -> dict[str, float] | None:
 
 
 class PrometheusCollector:
-    """Exports the published snapshot as ``graphchunk_*`` metrics on vLLM's /metrics."""
+    """Exports the published snapshots as ``graphchunk_*`` metrics on vLLM's /metrics, one series
+    per engine core (label ``engine``, as vLLM labels its own: data-parallel engines each have
+    their pool)."""
 
     def collect(self):
+        import os
+
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        values = read_published()
-        if values is None:
+        base = os.environ.get(METRICS_FILE_ENV)
+        engines = [(engine, values) for engine, path in (engine_metrics_files(base) if base else [])
+                   if (values := read_published(path)) is not None]
+        if not engines:
             return
         family = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily}
         for name in FIELDS:
             kind, help_text = SCHEMA[name]
-            yield family[kind](f"graphchunk_{name}", help_text, value=values[name])
+            metric = family[kind](f"graphchunk_{name}", help_text, labels=["engine"])
+            for engine, values in engines:
+                metric.add_metric([engine], values[name])
+            yield metric

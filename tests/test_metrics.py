@@ -5,7 +5,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from graphchunk.metrics import (COUNTERS, DERIVED, FIELDS, GAUGES, METRICS_FILE_ENV, SCHEMA, CacheMetrics,
-                                MetricsPublisher, PrometheusCollector, read_published)
+                                MetricsPublisher, PrometheusCollector, engine_metrics_file, read_published)
 
 
 def sample() -> CacheMetrics:
@@ -55,5 +55,22 @@ def test_collector_exports_every_metric_with_its_kind_and_help(tmp_path, monkeyp
         family = families[f"graphchunk_{name}"]
         assert (family.type, family.documentation) == (kind, help_text)
     text = generate_latest(registry).decode()
-    assert "graphchunk_lookups_total 4.0" in text and "graphchunk_lookup_seconds_total 0.25" in text
-    assert "# TYPE graphchunk_pool_blocks_used gauge" in text and "graphchunk_hit_rate 0.75" in text
+    assert 'graphchunk_lookups_total{engine="0"} 4.0' in text and 'graphchunk_lookup_seconds_total{engine="0"} 0.25' in text
+    assert "# TYPE graphchunk_pool_blocks_used gauge" in text and 'graphchunk_hit_rate{engine="0"} 0.75' in text
+
+
+def test_each_data_parallel_engine_publishes_its_own_series(tmp_path, monkeypatch):
+    """Data-parallel engine cores publish to files of their own (engine_metrics_file, by their
+    data-parallel index); /metrics has one series per engine, labelled as vLLM labels its own."""
+    base = str(tmp_path / "metrics.bin")
+    monkeypatch.setenv(METRICS_FILE_ENV, base)
+    assert engine_metrics_file(0) == base and engine_metrics_file(1) != base
+    registry = CollectorRegistry()
+    registry.register(PrometheusCollector())
+    for engine, lookups in ((0, 4), (1, 7), (10, 2)):
+        m = CacheMetrics()
+        m.lookups = lookups
+        MetricsPublisher(engine_metrics_file(engine)).publish(m)
+    [family] = [f for f in registry.collect() if f.name == "graphchunk_lookups"]
+    assert [(s.labels, s.value) for s in family.samples if s.name.endswith("_total")] == [
+        ({"engine": "0"}, 4.0), ({"engine": "1"}, 7.0), ({"engine": "10"}, 2.0)]

@@ -12,7 +12,7 @@ _GRAPHCHUNK_CONNECTOR = SimpleNamespace(kv_connector="GraphChunkConnector", has_
 
 
 def vllm_config(**overrides):
-    config = dict(use_v2_model_runner=False, pp=1, dp=1, speculative_config=None, lora_config=None, block_size=32,
+    config = dict(use_v2_model_runner=False, pp=1, dp=1, moe=False, speculative_config=None, lora_config=None, block_size=32,
                   cache_dtype="auto", max_model_len=2048, hf_config=SimpleNamespace(rope_theta=1e4))
     config.update(overrides)
     rope = getattr(config["hf_config"], "rope_parameters", None) or {}
@@ -23,7 +23,7 @@ def vllm_config(**overrides):
         lora_config=config["lora_config"],
         cache_config=SimpleNamespace(block_size=config["block_size"], cache_dtype=config["cache_dtype"]),
         kv_transfer_config=config.get("kv_transfer_config", _GRAPHCHUNK_CONNECTOR),
-        model_config=SimpleNamespace(max_model_len=config["max_model_len"], hf_config=config["hf_config"],
+        model_config=SimpleNamespace(max_model_len=config["max_model_len"], hf_config=config["hf_config"], is_moe=config["moe"],
                                      uses_mrope="mrope_section" in rope),  # as vLLM's ModelConfig decides
     )
 
@@ -54,7 +54,7 @@ def test_the_supported_releases_pass(monkeypatch, version):
     ({"pp": 2}, {}, "pipeline parallelism"),
     ({"speculative_config": object()}, {}, "speculative decoding"),
     ({}, {"pool_tokens": 2048, "max_chunk_len": 512}, "pool_tokens=2048 is too small"),
-    ({"dp": 2}, {}, r"data parallelism \(data_parallel_size=2\)"),
+    ({"dp": 2, "moe": True}, {}, r"data parallelism \(data_parallel_size=2\) for a mixture-of-experts model"),
     ({"lora_config": object()}, {}, r"LoRA \(enable_lora\)"),
     ({"cache_dtype": "fp8"}, {}, r"quantized KV cache, kv_cache_dtype='fp8' \(--kv-cache-dtype"),
     ({"cache_dtype": "fp8_e5m2"}, {}, r"quantized KV cache, kv_cache_dtype='fp8_e5m2' \(--kv-cache-dtype"),
@@ -85,8 +85,27 @@ def mrope_checkpoint(directory, section_key: str):
     return directory
 
 
+def moe_checkpoint(directory):
+    """The tiny Llama checkpoint's files under a Mixtral config (two experts): what vLLM reads as a
+    mixture-of-experts model (``model_config.is_moe``); only its config is read here."""
+    import json
+
+    from graphchunk.reference import models
+
+    tiny = models.tiny_checkpoint("llama3")
+    directory.mkdir()
+    for path in tiny.iterdir():
+        if path.name != "config.json":
+            (directory / path.name).symlink_to(path)
+    config = json.loads((tiny / "config.json").read_text())
+    config.update(architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=2,
+                  num_experts_per_tok=1, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
 @pytest.mark.parametrize("setting, message", [
-    ({"data_parallel_size": 2}, r"data parallelism \(data_parallel_size=2\)"),
+    ({"model": "moe", "data_parallel_size": 2}, r"data parallelism \(data_parallel_size=2\) for a mixture-of-experts"),
     ({"enable_lora": True}, r"LoRA \(enable_lora\)"),
     ({"kv_cache_dtype": "fp8"}, r"quantized KV cache, kv_cache_dtype='fp8' \(--kv-cache-dtype"),
     ({"model": "mrope_section"}, r"M-RoPE .*uses_mrope"),
@@ -101,16 +120,37 @@ def test_unsupported_vllm_settings_are_refused_where_the_config_is_built(setting
     from graphchunk.reference import models
 
     register()
-    if "model" in setting:
+    if setting.get("model") == "moe":
+        setting = {**setting, "model": str(moe_checkpoint(tmp_path / "moe"))}
+    elif "model" in setting:
         setting = {"model": str(mrope_checkpoint(tmp_path / "mrope", setting["model"]))}
     args = {"model": str(models.tiny_checkpoint("llama3")), "dtype": "float32", "max_model_len": 1024,
             "kv_cache_memory_bytes": 1 << 28, **setting}
     with pytest.raises(ConfigError, match=message):
         EngineArgs(worker_cls="graphchunk.Runner", additional_config={"graphchunk": {"pool_tokens": 4096}},
                    **args).create_engine_config()
-    if "model" in setting:  # vLLM reads the same config as M-RoPE: the runner would feed mrope_positions
+    if "model" in setting and "data_parallel_size" not in setting:  # vLLM reads the same config as M-RoPE
         config = EngineArgs(**args).create_engine_config()
         assert config.model_config.uses_mrope
+
+
+def test_data_parallelism_of_a_dense_model_is_built_and_logged(caplog):
+    """Real EngineArgs with --data-parallel-size 2 on a dense model: the config is built (vLLM
+    runs each rank as an independent engine, each with its own pool), and the start-up log says so."""
+    import logging
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    from graphchunk.engine.plugin import register
+    from graphchunk.reference import models
+
+    register()
+    with caplog.at_level(logging.INFO, logger="vllm.graphchunk"):
+        config = EngineArgs(model=str(models.tiny_checkpoint("llama3")), dtype="float32", max_model_len=1024,
+                            kv_cache_memory_bytes=1 << 28, data_parallel_size=2, worker_cls="graphchunk.Runner",
+                            additional_config={"graphchunk": {"pool_tokens": 4096}}).create_engine_config()
+    assert config.parallel_config.data_parallel_size == 2 and not config.model_config.is_moe
+    assert "each engine core has its own chunk pool and KV connector" in caplog.text
 
 
 @pytest.mark.parametrize("hf_config, reason", [

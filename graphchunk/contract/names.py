@@ -403,6 +403,8 @@ def _entries() -> tuple[Name, ...]:
         add(n(CFG, f"VllmConfig.{attr}", "attribute", f"{WK}, {PL}, {GC}", CONFIG))
     for attr in ("model", "revision", "dtype", "max_model_len", "hf_config", "uses_mrope", "enforce_eager"):
         add(n(CFG, f"ModelConfig.{attr}", "attribute", f"{WK}, {KB}, {GC}, {PL}", CONFIG))
+    add(n(CFG, "ModelConfig.is_moe", "attribute", WK, CONFIG + " (data parallelism is refused for mixture-of-experts "
+          "models only: vLLM coordinates their ranks' forwards)"))
     add(n(CFG, "ModelConfig.get_num_layers", "call", WK, CONFIG, ("parallel_config",)))
     add(n(CFG, "ModelConfig.get_num_kv_heads", "call", WK, CONFIG, ("parallel_config",)))
     add(n(CFG, "ModelConfig.get_head_size", "call", WK, CONFIG, ()))
@@ -413,6 +415,8 @@ def _entries() -> tuple[Name, ...]:
               "and the override get_kv_cache_config_from_groups sizes by)"))
     for attr in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "worker_cls"):
         add(n(CFG, f"ParallelConfig.{attr}", "attribute", f"{WK}, {KB}, {PL}", CONFIG))
+    add(n(CFG, "ParallelConfig.data_parallel_index", "attribute", f"{KB}, {CN}", CONFIG + " (an engine core's "
+          "data-parallel rank, kept when vLLM runs a dense model's ranks as independent engines: its metrics file)"))
     add(n(CFG, "SchedulerConfig.max_num_batched_tokens", "attribute", f"{WK}, {KB}", CONFIG))
     add(n(CFG, "CompilationConfig.static_forward_context", "attribute", KB, KV + " (the attention layers "
           "by name)"))

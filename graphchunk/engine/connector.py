@@ -82,6 +82,8 @@ class GraphChunkConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
         self._config = GraphChunkConfig.from_additional_config(vllm_config.additional_config)
+        self._engine = vllm_config.parallel_config.data_parallel_index
+        """This engine core's data-parallel index (each has its own pool; its metrics are its own)."""
         self._scheduler: ContextScheduler | None = None
 
     # --- scheduler side -----------------------------------------------------------------------
@@ -91,7 +93,7 @@ class GraphChunkConnector(KVConnectorBase_V1):
         if len(set(pools.values())) != 1:
             raise ConfigError(f"graphchunk: the workers report {len(set(pools.values()))} different chunk pools "
                               f"(ranks {sorted(pools)}); every rank must hold the same one")
-        self._scheduler = ContextScheduler(self._config, next(iter(pools.values())))
+        self._scheduler = ContextScheduler(self._config, next(iter(pools.values())), self._engine)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         params = request.sampling_params

@@ -59,7 +59,6 @@ ordinary prompt load nothing: vLLM computes their full prefill itself.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 from graphchunk.cache.chunk_cache import ScheduledPrompt
 from graphchunk.cache.context_plan import ContextPlanner, MissJob, RequestPlan, UnitCopy
@@ -68,7 +67,7 @@ from graphchunk.cache.pool import ChunkPool, PoolExhausted
 from graphchunk.config import GraphChunkConfig
 from graphchunk.engine.frontend import ChunkRequest, chunk_request
 from graphchunk.log import logger
-from graphchunk.metrics import METRICS_FILE_ENV, POOL_FIELDS, CacheMetrics, MetricsPublisher
+from graphchunk.metrics import POOL_FIELDS, CacheMetrics, MetricsPublisher, engine_metrics_file
 
 EVENT_MEDIUM = "graphchunk"
 """The medium of graphchunk's KV events: position-independent chunk entries, not prefix blocks."""
@@ -142,7 +141,7 @@ class _Request:
 
 
 class ContextScheduler:
-    def __init__(self, config: GraphChunkConfig, handshake: PoolHandshake):
+    def __init__(self, config: GraphChunkConfig, handshake: PoolHandshake, engine: int = 0):
         self.config, self.handshake = config, handshake
         self.metrics = CacheMetrics()
         pool = ChunkPool(handshake.num_blocks, handshake.block_size, handshake.first_block, self.metrics,
@@ -150,7 +149,7 @@ class ContextScheduler:
         self.planner = ContextPlanner(pool, handshake.space)
         pool.listener = self
         self._events: list = []
-        path = os.environ.get(METRICS_FILE_ENV)
+        path = engine_metrics_file(engine)
         self.publisher = MetricsPublisher(path, POOL_FIELDS) if path else None
         """Publishes the pool's metrics for the API process's /metrics (the workers publish theirs)."""
         self.publish()

@@ -9,7 +9,6 @@ layout cannot support is refused here, at start-up.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 import xxhash
@@ -29,7 +28,7 @@ from graphchunk.engine.runner_kv import RunnerKV
 from graphchunk.graphs.bucket_counts import BucketCounts
 from graphchunk.graphs.buckets import load_grid
 from graphchunk.log import logger
-from graphchunk.metrics import METRICS_FILE_ENV, WORKER_FIELDS, CacheMetrics, MetricsPublisher
+from graphchunk.metrics import WORKER_FIELDS, CacheMetrics, MetricsPublisher, engine_metrics_file
 
 
 def grown_kv_cache_config(vllm_config, kv_cache_config, extra: int):
@@ -76,7 +75,7 @@ def bind_engine(runner, config: GraphChunkConfig, first_pool_block: int) -> Chun
     blend = BlendSupport.of(runner.model, model.max_model_len, config)
     handshake = PoolHandshake(first_pool_block, pool_blocks, block_size, space, blend.refusal, blend.check_refusal)
     counts = BucketCounts(load_grid(config.templates), metrics) if config.templates else None
-    path = os.environ.get(METRICS_FILE_ENV)
+    path = engine_metrics_file(runner.parallel_config.data_parallel_index)
     logger.info("graphchunk: chunk pool of %d blocks (%d tokens) at block ids [%d, %d)", pool_blocks,
                 pool_blocks * block_size, first_pool_block, first_pool_block + pool_blocks)
     engine = ChunkEngine(config, metrics, context_runner, RunnerKV(runner, copier, blend, layers), handshake,

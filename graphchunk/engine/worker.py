@@ -60,13 +60,7 @@ def check_config(vllm_config, config: GraphChunkConfig) -> None:
     if parallel.pipeline_parallel_size != 1:
         raise ConfigError("graphchunk does not support pipeline parallelism")
     if parallel.data_parallel_size != 1:
-        # vLLM's set_forward_context coordinates every forward's token count across data-parallel
-        # ranks (coordinate_batch_across_dp, a collective, for MoE models): graphchunk's chunk
-        # forwards run on one rank only, and the other ranks would never join.
-        raise ConfigError(f"graphchunk does not support data parallelism (data_parallel_size="
-                          f"{parallel.data_parallel_size}): its chunk forwards run outside the batch vLLM "
-                          f"coordinates across data-parallel ranks; run one server per replica, or use tensor "
-                          f"parallelism")
+        check_data_parallel(vllm_config, config)
     if vllm_config.speculative_config is not None:
         raise ConfigError("graphchunk does not support speculative decoding")
     if vllm_config.lora_config is not None:
@@ -104,6 +98,26 @@ def check_config(vllm_config, config: GraphChunkConfig) -> None:
                           f"prompt of max_model_len tokens plus one chunk of max_chunk_len tokens, "
                           f"{needed * block_size} tokens at block size {block_size}")
     check_pool_fits(vllm_config, config)
+
+
+def check_data_parallel(vllm_config, config: GraphChunkConfig) -> None:
+    """Data parallelism, seen where the engine's config is built (each engine core of a dense
+    model then sees data_parallel_size 1). vLLM runs a dense model's data-parallel ranks as
+    independent engines (no collective between them: each engine core its own scheduler,
+    connector and worker), so each has a chunk pool of its own. A mixture-of-experts model's ranks
+    are coordinated forward by forward (an all-reduce of every forward's token count in
+    set_forward_context, dummy batches on idle ranks): graphchunk's chunk forwards run on one rank
+    only, the others would never join, so it is refused."""
+    size = vllm_config.parallel_config.data_parallel_size
+    if vllm_config.model_config.is_moe:
+        raise ConfigError(f"graphchunk does not support data parallelism (data_parallel_size={size}) for a "
+                          f"mixture-of-experts model: vLLM coordinates every forward of its data-parallel ranks "
+                          f"and graphchunk's chunk forwards run on one rank only; run one server per replica "
+                          f"(behind a router), or use tensor parallelism")
+    logger.info("graphchunk: data parallelism (data_parallel_size=%d, a dense model: vLLM runs each rank as an "
+                "independent engine): each engine core has its own chunk pool and KV connector%s", size,
+                "; they share computed documents through the persistent tier (graphchunk.store_path)"
+                if config.store_path else "; set graphchunk.store_path to share computed documents between them")
 
 
 def check_connector(kv_transfer_config) -> None:

@@ -195,14 +195,24 @@ class VllmServer:
         return {"text": "".join(pieces), "ttft": ttft, "total": time.perf_counter() - start}
 
     def metrics(self) -> dict[str, float]:
-        """The ``graphchunk_*`` samples of /metrics, by name."""
+        """The ``graphchunk_*`` samples of /metrics, by name, summed over engine cores (one
+        without data parallelism)."""
+        found: dict[str, float] = {}
+        for samples in self.engine_metrics().values():
+            for name, value in samples.items():
+                found[name] = found.get(name, 0.0) + value
+        return found
+
+    def engine_metrics(self) -> dict[str, dict[str, float]]:
+        """The ``graphchunk_*`` samples of /metrics by engine core (label ``engine``), then name."""
         with urllib.request.urlopen(self.url + "/metrics", timeout=30) as resp:
             text = resp.read().decode()
-        found = {}
+        found: dict[str, dict[str, float]] = {}
         for line in text.splitlines():
-            if line.startswith("graphchunk_"):
-                name, value = line.rsplit(" ", 1)
-                found[name] = float(value)
+            match = re.match(r'^(graphchunk_\w+)(?:\{engine="(\d+)"\})? (\S+)$', line)
+            if match:
+                name, engine, value = match.groups()
+                found.setdefault(engine or "0", {})[name] = float(value)
         return found
 
 
