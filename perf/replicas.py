@@ -16,8 +16,9 @@ session header (``x-session-id``, ``x-user-id``, ...) and sends every request wi
 same replica.
 
 The router listens on loopback; it starts once every replica answers ``/health``. Each replica
-publishes its KV events on a Unix socket of its own (``ipc://``: vLLM's publisher binds it, the
-router connects; no network port).
+publishes its KV events on a loopback port of its own: vLLM's publisher binds an endpoint only if
+it names a wildcard or an IPv6 address (``tcp://[::ffff:127.0.0.1]:P`` binds 127.0.0.1:P, nothing
+else) and the router takes ``tcp://HOST:PORT`` endpoints only.
 """
 from __future__ import annotations
 
@@ -54,20 +55,23 @@ class Router:
     """``vllm-router`` over ``worker_urls`` with ``policy``, as a child process on loopback."""
 
     def __init__(self, worker_urls: list[str], policy: str, *, block_size: int | None = None,
-                 event_sources: dict[str, str] | None = None, log_path: Path | None = None):
+                 event_sources: dict[str, str] | None = None, model: str | None = None,
+                 log_path: Path | None = None):
         program = router_program()
         if program is None:
             raise FileNotFoundError("vllm-router is not installed (pip install vllm-router)")
-        self.port = free_port()
+        self.port, self.metrics_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.metrics_url = f"http://127.0.0.1:{self.metrics_port}"
+        """The router's own Prometheus endpoint (``/metrics``): its routing decisions."""
         self.args = [program, "--host", "127.0.0.1", "--port", str(self.port), "--policy", policy,
-                     "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+                     "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.metrics_port),
                      "--worker-startup-check-interval", "1", "--log-level", "info",
                      "--worker-urls", *worker_urls]
         for url, endpoint in (event_sources or {}).items():
             self.args += ["--kv-event-source", f"{url}={endpoint}"]
-        if block_size is not None:
-            self.args += ["--kv-event-block-size", str(block_size)]
+        if event_sources:  # kv_aware's static sources: the replicas' block size and served model name
+            self.args += ["--kv-event-block-size", str(block_size), "--kv-event-model", str(model)]
         self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="vllm-router-", suffix=".log")[1])
         self.process: subprocess.Popen | None = None
 
@@ -110,21 +114,27 @@ class Router:
 
 
 class Replicas:
-    """``n`` graphchunk servers on one tier directory, started together, and a router over them."""
+    """``n`` graphchunk servers on one tier directory, started together, and a router over them.
+    ``flags`` are every server's ``vllm serve`` flags (``--block-size`` among them: ``block_size``
+    tells ``kv_aware`` the same)."""
 
     def __init__(self, model: str | Path, *, n: int = 2, dtype: str = "float32", graphchunk: dict,
                  tier: Path, flags: list[str], policy: str = "round_robin", block_size: int,
                  log_dir: Path, worker_cls: str | None = "graphchunk.Runner"):
         self.policy = policy
-        self.events = [f"ipc://{log_dir.resolve()}/kv-events-{i}.sock" for i in range(n)] if policy == "kv_aware" else []
+        ports = [free_port() for _ in range(n)] if policy == "kv_aware" else []
         settings = {**graphchunk, "store_path": str(tier)} if worker_cls else None
+        # --enable-scale-out: vLLM's /v1/chat/completions/render, where cache_aware and kv_aware get a
+        # request's token ids (graphchunk places the documents there); without it vLLM 0.32 answers 403
+        # and the router routes those requests by load alone.
+        scale_out = ["--enable-scale-out"] if policy in ("cache_aware", "kv_aware") else []
         self.servers = [VllmServer(model, dtype=dtype, graphchunk=settings, worker_cls=worker_cls,
-                                   flags=[*flags, "--block-size", str(block_size),
-                                          *(kv_events_flags(self.events[i]) if self.events else [])],
+                                   flags=[*flags, *scale_out, *(kv_events_flags(f"tcp://[::ffff:127.0.0.1]:{ports[i]}")
+                                                    if ports else [])],
                                    log_path=log_dir / f"replica-{i}.log") for i in range(n)]
         urls = [server.url for server in self.servers]
-        sources = dict(zip(urls, self.events)) if self.events else None
-        self.router = Router(urls, policy, block_size=block_size if sources else None, event_sources=sources,
+        sources = {url: f"tcp://127.0.0.1:{port}" for url, port in zip(urls, ports)} or None
+        self.router = Router(urls, policy, block_size=block_size, event_sources=sources, model=str(model),
                              log_path=log_dir / f"router-{policy}.log")
 
     def start(self, timeout: float = 900.0, progress=None) -> "Replicas":

@@ -13,7 +13,7 @@ from graphchunk.cache.keys import KeySpace
 from graphchunk.config import ConfigError
 from graphchunk.engine.connector import (KV_CONNECTOR, GraphChunkHandshake, GraphChunkMetadata, GraphChunkWorkerMeta,
                                          connector_config, work_of)
-from graphchunk.engine.context_scheduler import PoolHandshake, StepWork
+from graphchunk.engine.context_scheduler import PoolHandshake, StepWork, event_blocks
 from graphchunk.engine.frontend import BOUNDARIES_ARG
 from graphchunk.metrics import METRICS_FILE_ENV
 
@@ -239,14 +239,20 @@ def test_pool_entries_stored_and_removed_are_published_as_kv_events(make_schedul
     step(scheduler, done_before=3, loaded={"r"})
     stored = [e for e in published if isinstance(e, BlockStored) and e.medium == "graphchunk"]
     assert [e.token_ids for e in stored] == [SYS, SYS + C1, SYS + C2]
-    assert [e.block_hashes for e in stored] == [[job.key] for job in work.jobs]
+    block_size = BLOCK
+    # Each entry a chain of vLLM-sized blocks from its first token, the first hashed by its content key.
+    assert all(e.block_size == block_size and e.parent_block_hash is None for e in stored)
+    assert [e.block_hashes for e in stored] == [event_blocks(job.key, e.token_ids, block_size)
+                                                for job, e in zip(work.jobs, stored)]
+    assert [len(e.block_hashes) for e in stored] == [-(-len(e.token_ids) // block_size) for e in stored]
+    assert [e.block_hashes[0] for e in stored] == [job.key for job in work.jobs]
     step(scheduler, done_before=3)  # r runs its question, finishes later; its entries stay cached
     while scheduler.requests:
         step(scheduler, done_before=3)
     assert scheduler.reset_prefix_cache(reset_connector=True)
     step(scheduler, done_before=3)
     removed = [e for e in published if isinstance(e, BlockRemoved) and e.medium == "graphchunk"]
-    assert sorted(h for e in removed for h in e.block_hashes) == sorted(job.key for job in work.jobs)
+    assert sorted(h for e in removed for h in e.block_hashes) == sorted(h for e in stored for h in e.block_hashes)
 
 
 def test_a_blend_request_with_misses_waits_unallocated_then_loads_in_the_step_that_schedules_it(make_scheduler):

@@ -113,6 +113,13 @@ class Workers:
         self.held: set[str] = set()
         """Loads completed but reported late."""
         self.done_before = [0] * RANKS
+        self.settled = False
+        """Reports no longer come late (``settle``)."""
+
+    def settle(self) -> None:
+        """From now on every report arrives with its step, as vLLM's workers' do once traffic stops
+        (each step's output carries every rank's progress): what came late so far arrives next step."""
+        self.settled = True
 
     def step(self, so, scheduler):
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
@@ -132,11 +139,11 @@ class Workers:
                 if self.loaded[req_id] == RANKS:
                     finished.add(req_id)
             invalid |= engine.take_invalid()
-            if self.rng.random() < 0.7:  # else the worker's report of its jobs comes a step late
+            if self.settled or self.rng.random() < 0.7:  # else the worker's report of its jobs comes a step late
                 self.done_before[rank] = engine.done_before
         expected_invalid = {b for fill in refused.values() for b in fill.block_ids}
         assert invalid == expected_invalid, "a copy failed its epoch check: it would have read a block it did not plan"
-        late = {r for r in finished if self.rng.random() < 0.3}
+        late = set() if self.settled else {r for r in finished if self.rng.random() < 0.3}
         report, self.held = (finished - late) | self.held, late
         for req_id in report:
             self.loaded.pop(req_id, None)
@@ -304,8 +311,8 @@ def test_random_request_streams_fill_exactly_what_they_planned(vllm_scheduler, s
     steps.flush()
     assert not scheduler.has_unfinished_requests(), f"seed {seed}: requests never scheduled nor refused: " \
         f"{[(r.request_id, r.status) for r in scheduler.requests.values()]}"
-    steps.step()  # the last finished ids reach the workers; their late reports arrive
-    workers.held.clear()
+    workers.settle()  # the workers' late reports (jobs run, loads done) arrive with the next steps
+    steps.step()  # the last finished ids reach the workers
     steps.step()
     steps.flush()
     pool.audit()

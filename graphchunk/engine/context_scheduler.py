@@ -24,9 +24,10 @@ Per segmented request (``ChunkRequest``, read once from what graphchunk's fronte
 ``reported``  the workers' first unfinished job: earlier jobs' entries become ready.
 ``finished``  releases what a finished, aborted or preempted-and-dropped request still holds.
 ``take_events`` the pool's entries stored (ready) and removed since the last step, as vLLM's KV
-              events (``BlockStored`` / ``BlockRemoved``, medium ``graphchunk``, one block per
-              entry, hashed by its content key), which vLLM publishes on its KV-event stream
-              (``--kv-events-config``) for KV-aware routers.
+              events (``BlockStored`` / ``BlockRemoved``, medium ``graphchunk``, each entry a
+              chain of blocks of vLLM's size hashed from its content key: ``event_blocks``),
+              which vLLM publishes on its KV-event stream (``--kv-events-config``) for KV-aware
+              routers.
 
 **The invariant** (what makes a fill read what it planned): *no pool block is written while a copy
 planned from it is outstanding.* A block is written only by the job of a new entry, and a new
@@ -60,6 +61,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import xxhash
+
 from graphchunk.cache.chunk_cache import ScheduledPrompt
 from graphchunk.cache.context_plan import ContextPlanner, MissJob, RequestPlan, UnitCopy
 from graphchunk.cache.keys import KeySpace
@@ -71,6 +74,17 @@ from graphchunk.metrics import POOL_FIELDS, CacheMetrics, MetricsPublisher, engi
 
 EVENT_MEDIUM = "graphchunk"
 """The medium of graphchunk's KV events: position-independent chunk entries, not prefix blocks."""
+
+
+def event_blocks(key: bytes, tokens, block_size: int) -> list[bytes]:
+    """An entry's block hashes on the KV-event stream: the entry as a chain of ``block_size``-token
+    blocks from its first token (a partial last block included), block ``i`` hashed from the
+    entry's content key and ``i``. A router that indexes the events' tokens by prefix in blocks of
+    vLLM's size (vllm-router's ``kv_aware``) then credits an isolated entry (sys prompt and chunk)
+    to a prompt that starts with that sys prompt and chunk, and a blend entry (the chunk alone) to
+    one that starts with the chunk: in both cases KV of that prompt's prefix this server holds."""
+    count = max(1, -(-len(tokens) // block_size))
+    return [key] + [xxhash.xxh3_128_digest(key + i.to_bytes(4, "big")) for i in range(1, count)]
 
 
 
@@ -273,14 +287,16 @@ class ContextScheduler:
     def stored(self, entry) -> None:
         from vllm.distributed.kv_events import BlockStored
 
-        self._events.append(BlockStored(block_hashes=[entry.key], parent_block_hash=None,
-                                        token_ids=list(entry.tokens), block_size=len(entry.tokens), lora_id=None,
-                                        medium=EVENT_MEDIUM, lora_name=None))
+        block_size = self.handshake.block_size
+        self._events.append(BlockStored(block_hashes=event_blocks(entry.key, entry.tokens, block_size),
+                                        parent_block_hash=None, token_ids=list(entry.tokens), block_size=block_size,
+                                        lora_id=None, medium=EVENT_MEDIUM, lora_name=None))
 
     def removed(self, entry) -> None:
         from vllm.distributed.kv_events import BlockRemoved
 
-        self._events.append(BlockRemoved(block_hashes=[entry.key], medium=EVENT_MEDIUM))
+        self._events.append(BlockRemoved(block_hashes=event_blocks(entry.key, entry.tokens, self.handshake.block_size),
+                                         medium=EVENT_MEDIUM))
 
     def take_events(self) -> list:
         events, self._events = self._events, []
