@@ -29,12 +29,9 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
-from graphchunk.tools.serve_demo import VllmServer, free_port
+from graphchunk.tools.serve_demo import VllmServer, free_port, wait_for_health
 
 ROUTER_POLICIES = ("round_robin", "cache_aware", "kv_aware", "consistent_hash")
 
@@ -83,19 +80,7 @@ class Router:
 
     def wait_ready(self, timeout: float = 120.0) -> float:
         """Seconds until the router answers (it listens once every replica is healthy)."""
-        start = time.monotonic()
-        while True:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"vllm-router exited with code {self.process.returncode}\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
-                    if resp.status == 200:
-                        return time.monotonic() - start
-            except (urllib.error.URLError, OSError):
-                pass
-            if time.monotonic() - start > timeout:
-                raise RuntimeError(f"vllm-router not ready after {timeout:.0f} s\n{self.log_tail()}")
-            time.sleep(0.5)
+        return wait_for_health(self, "vllm-router", timeout, interval=0.5)
 
     def log_tail(self, lines: int = 30) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])

@@ -67,41 +67,38 @@ def test_misconfigurations_are_named(overrides, gc, message):
         check_config(vllm_config(**overrides), GraphChunkConfig(**{"pool_tokens": 65536, **gc}))
 
 
-def mrope_checkpoint(directory, section_key: str):
-    """The tiny Qwen2 checkpoint with an M-RoPE section in its rope parameters: the key vLLM reads
-    in a Qwen2-VL / Qwen2.5-VL text config (``mrope_section``) or HunYuan-VL's (``xdrope_section``)."""
+def tiny_with_config(directory, arch: str, rope: dict | None = None, **changes):
+    """A tiny checkpoint's files under ``directory`` with its config.json changed by ``changes``
+    (and ``rope`` merged into its rope parameters)."""
     import json
 
     from graphchunk.reference import models
 
-    tiny = models.tiny_checkpoint("qwen2")
+    tiny = models.tiny_checkpoint(arch)
     directory.mkdir()
     for path in tiny.iterdir():
         if path.name != "config.json":
             (directory / path.name).symlink_to(path)
     config = json.loads((tiny / "config.json").read_text())
-    config["rope_parameters"] = {**config["rope_parameters"], section_key: [4, 6, 6]}
+    config.update(changes)
+    if rope:
+        config["rope_parameters"] = {**config["rope_parameters"], **rope}
     (directory / "config.json").write_text(json.dumps(config))
     return directory
+
+
+def mrope_checkpoint(directory, section_key: str):
+    """The tiny Qwen2 checkpoint with an M-RoPE section in its rope parameters: the key vLLM reads
+    in a Qwen2-VL / Qwen2.5-VL text config (``mrope_section``) or HunYuan-VL's (``xdrope_section``)."""
+    return tiny_with_config(directory, "qwen2", rope={section_key: [4, 6, 6]})
 
 
 def moe_checkpoint(directory):
     """The tiny Llama checkpoint's files under a Mixtral config (two experts): what vLLM reads as a
     mixture-of-experts model (``model_config.is_moe``); only its config is read here."""
-    import json
-
-    from graphchunk.reference import models
-
-    tiny = models.tiny_checkpoint("llama3")
-    directory.mkdir()
-    for path in tiny.iterdir():
-        if path.name != "config.json":
-            (directory / path.name).symlink_to(path)
-    config = json.loads((tiny / "config.json").read_text())
-    config.update(architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=2,
-                  num_experts_per_tok=1, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
-    (directory / "config.json").write_text(json.dumps(config))
-    return directory
+    return tiny_with_config(directory, "llama3", architectures=["MixtralForCausalLM"], model_type="mixtral",
+                            num_local_experts=2, num_experts_per_tok=1,
+                            rope_parameters={"rope_type": "default", "rope_theta": 1e6})
 
 
 @pytest.mark.parametrize("setting, message", [

@@ -58,6 +58,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_for_health(child, name: str, timeout: float, progress=None, interval: float = 1.0) -> float:
+    """Seconds until ``child.url``/health answered 200 (``child``: a process wrapper with ``url``,
+    ``process`` and ``log_tail()``). Raises RuntimeError with the log's tail if the process exits or
+    the deadline passes; ``progress(elapsed)`` every ~5 s."""
+    start = time.monotonic()
+    next_report = start + 5
+    while True:
+        if child.process.poll() is not None:
+            raise RuntimeError(f"{name} exited with code {child.process.returncode}\n{child.log_tail()}")
+        try:
+            with urllib.request.urlopen(child.url + "/health", timeout=5) as resp:
+                if resp.status == 200:
+                    return time.monotonic() - start
+        except (urllib.error.URLError, OSError):
+            pass
+        now = time.monotonic()
+        if now - start > timeout:
+            raise RuntimeError(f"{name} not healthy after {timeout:.0f} s\n{child.log_tail()}")
+        if progress is not None and now >= next_report:
+            progress(now - start)
+            next_report = now + 5
+        time.sleep(interval)
+
+
 class VllmServer:
     """``vllm serve MODEL --worker-cls graphchunk.Runner`` on loopback, as a child process.
 
@@ -97,24 +121,8 @@ class VllmServer:
     def wait_healthy(self, timeout: float = 600.0, progress=None) -> float:
         """Seconds until /health answered 200. Raises RuntimeError (with the log's tail) if the
         server exits or the deadline passes. ``progress(elapsed, last_log_line)`` every ~5 s."""
-        start = time.monotonic()
-        next_report = start + 5
-        while True:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with code {self.process.returncode}\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
-                    if resp.status == 200:
-                        return time.monotonic() - start
-            except (urllib.error.URLError, OSError):
-                pass
-            now = time.monotonic()
-            if now - start > timeout:
-                raise RuntimeError(f"vllm serve not healthy after {timeout:.0f} s\n{self.log_tail()}")
-            if progress is not None and now >= next_report:
-                progress(now - start, self.last_log_line())
-                next_report = now + 5
-            time.sleep(1)
+        return wait_for_health(self, "vllm serve", timeout,
+                               progress and (lambda elapsed: progress(elapsed, self.last_log_line())))
 
     def stop(self, timeout: float = 60.0) -> int | None:
         """SIGTERM to the API server (it shuts its engine down), SIGKILL to the whole session
