@@ -1,0 +1,30 @@
+"""The forward-cost measurement end to end at its ``--quick`` size (``perf/bench_forward_cost.py``):
+every path (compiled, plain, scoring pass, split and batched) timed inside a real engine's worker
+at every size, a line fitted per path, the borrowed pool blocks given back. No timing is asserted."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_quick_run_measures_every_path(tmp_path):
+    out = tmp_path / "forward_cost.json"
+    done = subprocess.run([sys.executable, str(REPO / "perf/bench_forward_cost.py"), "--quick", "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and out.exists(), done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    sizes = [str(n) for n in result["config"]["tokens"]]
+    for path in ("compiled", "plain", "scoring"):
+        assert list(result["ms"][path]) == sizes and all(t > 0 for t in result["ms"][path].values())
+        assert set(result["fit"][path]) >= {"per_forward_ms", "per_token_ms", "max_relative_residual"}
+    split = result["config"]["split"]
+    assert list(result["ms"]["split_batched"]) == [n for n in sizes if int(n) % split == 0]
+    assert result["num_layers"] == 2  # the tiny checkpoint's layers, every one hooked by the scoring pass
