@@ -31,7 +31,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from graphchunk.compat import RELEASES, release_of
+from graphchunk.compat import RELEASES, UnsupportedVLLM, release_of
 from graphchunk.contract.installed import ImportResolver
 from graphchunk.contract.names import NAMES, Name
 from graphchunk.contract.params import Obj, Unavailable, call_problem, pattern_problem
@@ -230,7 +230,7 @@ def _release(version: str | None) -> str | None:
     """The admitted release ``version`` belongs to (its entries are checked), or None (all entries)."""
     try:
         found = release_of(version or "")
-    except ValueError:
+    except UnsupportedVLLM:  # no version to read (a tree without vllm/_version.py)
         return None
     return found if found in RELEASES else None
 

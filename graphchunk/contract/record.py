@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import hashlib
 import json
 import shlex
 import subprocess
@@ -225,8 +224,7 @@ def write_record(version: str, wheel: Path, root: Path, command: str) -> tuple[P
     if found != version:
         raise ValueError(f"{wheel.name} holds vLLM {found}, not {version}")
     results = check.check(resolver, release=release_of(version))
-    digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
-    record = {"vllm_version": version, "wheel": {"file": wheel.name, "sha256": digest},
+    record = {"vllm_version": version, "wheel": check.wheel_of(wheel),
               "date": datetime.date.today().isoformat(), "command": command,
               "objects": resolver.objects, "answers": dict(sorted(resolver.answers.items()))}
     path = record_path(version)
