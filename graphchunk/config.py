@@ -72,6 +72,9 @@ class GraphChunkConfig:
     recompute_spread: str = "context"
     """cacheblend, question: the ratio taken over a step's chunk tokens together ('context') or over
     each chunk on its own ('chunk')."""
+    recompute_layers: int = 0
+    """question: the scoring pass runs the question through the model's first ``recompute_layers``
+    layers and ranks by their attention (0: every layer)."""
     check_layer: int = 1
     """cacheblend: layers [0, check_layer] are recomputed for every chunk token, and K at this layer
     ranks the tokens."""
@@ -88,11 +91,17 @@ class GraphChunkConfig:
     """Budget of the host-memory tier in front of ``store_path`` (``cache/host_tier.py``; pinned on CUDA);
     0: none."""
     miss_budget: int = 512
-    """Tokens graphchunk computes per step beside what vLLM schedules (vLLM's token budget does not
-    see them): chunk misses, a request waiting (vLLM's asynchronous KV load) while its misses are
+    """Chunk-miss tokens graphchunk computes per step beside what vLLM schedules (vLLM's token
+    budget does not see them): a request waits (vLLM's asynchronous KV load) while its misses are
     computed a budget at a time, so that running requests' decode steps are never held up by more
-    than this (in a step that schedules nothing else, at least max_num_batched_tokens); and the
-    blend recompute of the all-hit requests a step admits (one at least)."""
+    than this (in a step that schedules nothing else, at least max_num_batched_tokens); the
+    misses of a blend request are computed the same way before it is admitted."""
+    recompute_budget: int = 512
+    """Tokens of blend recompute a step admits beside what vLLM schedules (vLLM's token budget does
+    not see them either): the recompute and question scoring (``RecomputePolicy.cost``) of the
+    all-hit blend requests the step schedules, one request at least; the others wait for a later
+    step (``blend_requests_pending``, ``blend_recompute_deferrals``). A step's recompute then
+    costs at most this, or one request's own when that is more."""
     documents_fallback: str = "refuse"
     """A documents request graphchunk cannot chunk (a template that puts the documents after the
     question or hides them, a renderer without an HF template, more than ``max_chunks`` documents,
@@ -110,7 +119,7 @@ class GraphChunkConfig:
             object.__setattr__(self, name, float(getattr(self, name)))
         if not valid_key_temperature(self.key_temperature):
             raise ConfigError(f"graphchunk.key_temperature must be a number > 0, got {self.key_temperature!r}")
-        for name in ("max_chunks", "max_chunk_len", "store_bytes", "miss_budget"):
+        for name in ("max_chunks", "max_chunk_len", "store_bytes", "miss_budget", "recompute_budget"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"graphchunk.{name} must be >= 1, got {getattr(self, name)}")
         if self.pool_tokens < 0:
@@ -153,7 +162,7 @@ class GraphChunkConfig:
     def policy(self) -> RecomputePolicy:
         """The deployment's default recompute policy of blend requests."""
         return RecomputePolicy(self.recompute, self.recompute_ratio, self.recompute_tokens, self.recompute_sinks,
-                               self.recompute_spread)
+                               self.recompute_spread, self.recompute_layers)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None) -> "GraphChunkConfig":
@@ -180,6 +189,7 @@ def valid_key_temperature(value) -> bool:
 
 _TYPES = {"separator": str, "max_chunks": int, "max_chunk_len": int, "pool_tokens": int, "eviction": str,
           "mode": str, "key_temperature": (int, float), "templates": str, "recompute": str, "recompute_ratio": (int, float), "recompute_tokens": int,
-          "recompute_sinks": int, "recompute_spread": str,
+          "recompute_sinks": int, "recompute_spread": str, "recompute_layers": int,
           "check_layer": int, "store_path": str, "store_bytes": int,
-          "host_bytes": int, "documents_fallback": str, "miss_budget": int}
+          "host_bytes": int, "documents_fallback": str, "miss_budget": int,
+          "recompute_budget": int}

@@ -51,10 +51,11 @@ class KVDevice(Protocol):
         """``values`` summed over the tensor-parallel ranks (each holds its own heads' share), so
         that every rank selects the same tokens; itself without tensor parallelism."""
 
-    def context_attention(self, seqs: list[PseudoSeq]) -> list[torch.Tensor]:
-        """Runs the pseudo-sequences' new tokens through every layer (writing their KV) and returns,
-        per sequence, the attention they pay to each of its cached tokens: [num_cached] softmax
-        probabilities summed over the new tokens, every head (of every rank) and every layer."""
+    def context_attention(self, seqs: list[PseudoSeq], num_layers: int | None = None) -> list[torch.Tensor]:
+        """Runs the pseudo-sequences' new tokens through the model (its first ``num_layers`` layers
+        only, when given; writing their KV there) and returns, per sequence, the attention they pay
+        to each of its cached tokens: [num_cached] softmax probabilities summed over the new
+        tokens, every head (of every rank) and every layer run."""
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """Whole blocks of every layer on the host (the persistent tier's payload)."""

@@ -52,9 +52,9 @@ class BlendDevice(FakeDevice):
     def sum_over_ranks(self, values):
         return values
 
-    def context_attention(self, seqs):
+    def context_attention(self, seqs, num_layers=None):
         self.prefill(seqs)
-        self.calls[-1] = ("scored", self.calls[-1][1])
+        self.calls[-1] = ("scored" if num_layers is None else f"scored@{num_layers}", self.calls[-1][1])
         return [torch.tensor([self.attention.get(t, 0.0) for t in range(s.num_cached)]) for s in seqs]
 
 
@@ -87,6 +87,7 @@ def scheduled(seg, policy, start=0, end=None, first_block=0):
     (dict(name="bogus"), "policy must be one of"), (dict(ratio=1.5), "ratio"), (dict(ratio=True), "ratio"),
     (dict(ratio="0.1"), "ratio"), (dict(tokens=-1), "tokens"), (dict(tokens=2.0), "tokens"),
     (dict(sinks=-1), "sinks"), (dict(sinks=True), "sinks"), (dict(spread="doc"), "spread must be one of"),
+    (dict(layers=-1), "layers must be an integer >= 0"), (dict(layers=True), "layers"), (dict(layers=1.0), "layers"),
 ])
 def test_bad_policies_are_named(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -123,6 +124,8 @@ def test_sinks_and_spread_refine_the_ranking():
         == [14, 16]
     assert RecomputePolicy("question", 0.3, sinks=4, spread="chunk").describe() == "question:0.3+sinks:4/chunk"
     assert RecomputePolicy("question", 0.3).describe() == "question:0.3"
+    assert RecomputePolicy("question", 0.15, sinks=2, layers=2).describe() == "question:0.15+sinks:2@2"
+    assert RecomputePolicy("cacheblend", 0.15, layers=2).describe() == "cacheblend:0.15"  # question's alone
 
 
 def test_legolink_and_runs():
@@ -206,6 +209,20 @@ def test_question_policy_recomputes_what_the_question_attends_to():
     m = cc.metrics
     assert (m.blend_tokens_scored, m.blend_tokens_recomputed, m.blend_tokens_checked, m.blend_question_fallbacks) == \
         (2, 4, 0, 0)
+
+
+def test_shallow_question_policy_scores_through_its_own_layers():
+    """A step's questions are scored once per depth: a request with ``layers`` k through the first
+    k layers, one with 0 through every layer; each picks by its own pass's attention."""
+    a, b = make_prompt(3, [5, 6]), make_prompt(2, [4, 4], q_len=3)  # b's questions: 10..12
+    device, cc = BlendDevice(attention={4: 2.0, 6: 7.0, 10: 3.0, 13: 5.0, 3: 1.0, 8: 4.0}), blend_cache()
+    shallow = scheduled(a, RecomputePolicy("question", 0.3, layers=2))
+    deep = scheduled(b, RecomputePolicy("question", 0.25), first_block=40)
+    cc.materialize([shallow, deep], device)
+    scored = [call for call in device.calls if str(call[0]).startswith("scored")]
+    assert scored == [("scored", [(10, 13)]), ("scored@2", [(14, 16)])]
+    assert device.calls[-1] == (None, [(6, 7), (8, 9), (10, 11), (13, 14), (6, 7), (8, 9)])  # a: 4 of 11; b: 2 of 8
+    assert cc.metrics.blend_tokens_scored == 5
 
 
 def test_question_policy_without_its_question_in_the_step_ranks_by_deviation():

@@ -108,13 +108,15 @@ def test_legolink_equals_recomputing_chunk_starts_in_hf(gc_llm, oracle, docs, te
     assert delta["blend_tokens_recomputed"] == 6 * k
 
 
-@pytest.mark.parametrize("refinement", [{}, {"graphchunk_recompute_sinks": 3, "graphchunk_recompute_spread": "chunk"}])
+@pytest.mark.parametrize("refinement", [{}, {"graphchunk_recompute_sinks": 3, "graphchunk_recompute_spread": "chunk"},
+                                        {"graphchunk_recompute_layers": 2}])
 def test_question_policy_recomputes_what_the_question_attends_to_in_hf(gc_llm, oracle, docs, text, refinement):
-    """The question-aware policy (r = 0.3, plain and with 3 sinks per chunk and the ratio per chunk)
-    against HF: HF's own attention probabilities of the question over the naively reused context,
-    summed over its tokens, heads and layers, rank the chunk tokens; HF recomputing exactly the
-    tokens the rule picks by that ranking gives the engine's tokens and logprobs. The chunks are
-    hits (moved from other positions) and the prompt fits one step."""
+    """The question-aware policy (r = 0.3, plain, with 3 sinks per chunk and the ratio per chunk,
+    and scored through the first 2 layers only) against HF: HF's own attention probabilities of
+    the question over the naively reused context, summed over its tokens, heads and layers (the
+    first 2), rank the chunk tokens; HF recomputing exactly the tokens the rule picks by that
+    ranking gives the engine's tokens and logprobs. The chunks are hits (moved from other
+    positions) and the prompt fits one step."""
     prompts = [RagPrompt(text.text(9), [docs[8], docs[2], docs[7]], text.question(9))]
     generate(gc_llm, [RagPrompt(text.text(6), [docs[7], docs[8], docs[2]], "Warm?")], BLEND_NONE)
     policy = {"graphchunk_mode": "blend", "graphchunk_recompute": "question", "graphchunk_recompute_ratio": 0.3,
@@ -123,19 +125,23 @@ def test_question_policy_recomputes_what_the_question_attends_to_in_hf(gc_llm, o
     seg, lay = segs[0], segs[0].layout
     assert lay.num_tokens <= 256 and delta["blend_hits"] == 3
     chunk_tokens = np.arange(lay.sys_len, lay.context_len)
-    scores = oracle.question_attention(list(seg.token_ids), lay)
+    layers = refinement.get("graphchunk_recompute_layers", 0)
+    scores = oracle.question_attention(list(seg.token_ids), lay, num_layers=layers or None)
     rule = RecomputePolicy("question", 0.3, sinks=refinement.get("graphchunk_recompute_sinks", 0),
-                           spread=refinement.get("graphchunk_recompute_spread", "context"))
+                           spread=refinement.get("graphchunk_recompute_spread", "context"), layers=layers)
     picked = select_tokens(chunk_tokens, scores[chunk_tokens], rule, seg.bounds[1:-1])
-    if not refinement:
+    if "graphchunk_recompute_sinks" not in refinement:
         assert picked.tolist() == cacheblend_tokens(chunk_tokens, scores[chunk_tokens], 0.3).tolist()
     else:  # every chunk's first 3 tokens, and its own share
         assert all(set(range(b, b + 3)) <= set(picked.tolist()) for b, _ in seg.bounds[1:-1])
+    if layers:  # the shallow pass picks other tokens than the full one: the engine followed the depth
+        deep = oracle.question_attention(list(seg.token_ids), lay)
+        assert set(picked.tolist()) != set(cacheblend_tokens(chunk_tokens, deep[chunk_tokens], 0.3).tolist())
     tokens, logprobs = oracle.blend_generate(list(seg.token_ids), lay, picked, MAX_TOKENS)
     assert_matches_reference(outputs[0], Reference(tokens, logprobs), f"question r=0.3 {refinement}")
     assert (delta["blend_tokens_recomputed"], delta["blend_tokens_scored"], delta["blend_tokens_checked"]) == \
         (len(picked), lay.question_len, 0)
-    assert len(picked) == (math.ceil(0.3 * len(chunk_tokens)) if not refinement else
+    assert len(picked) == (math.ceil(0.3 * len(chunk_tokens)) if "graphchunk_recompute_spread" not in refinement else
                            sum(math.ceil(0.3 * (e - b)) for b, e in seg.bounds[1:-1]))
     # The set decides the answer's distribution: recomputing the question's least-attended tokens instead differs.
     other = cacheblend_tokens(chunk_tokens, -scores[chunk_tokens], 0.3)

@@ -284,7 +284,9 @@ def test_a_blend_request_with_misses_waits_unallocated_then_loads_in_the_step_th
 def test_a_step_admits_all_hit_blend_requests_up_to_the_recompute_budget(make_scheduler):
     """Blend's recompute runs as graphchunk's own forwards, which vLLM's token budget does not see:
     a step admits all-hit blend requests until their recompute (``RecomputePolicy.cost``: 30 % of
-    240 chunk tokens and the 20-token question, 92) would pass ``miss_budget`` (here 100), one at least."""
+    240 chunk tokens and the 20-token question, 92) would pass ``recompute_budget`` (here 100), one
+    at least; the budget is its own (``miss_budget`` does not bound it). The request put off is
+    pending in the metrics until a later step admits it."""
     import dataclasses
 
     from vllm import SamplingParams
@@ -292,7 +294,6 @@ def test_a_step_admits_all_hit_blend_requests_up_to_the_recompute_budget(make_sc
 
     scheduler, hasher = make_scheduler()
     context = scheduler.connector._context()
-    context.config = dataclasses.replace(context.config, miss_budget=100)
 
     def blend(req_id, question):
         params = SamplingParams(max_tokens=4, extra_args={BOUNDARIES_ARG: [40, 150, 280], "graphchunk_mode": "blend"})
@@ -303,9 +304,15 @@ def test_a_step_admits_all_hit_blend_requests_up_to_the_recompute_budget(make_sc
     jobs = len(work.jobs)
     while scheduler.has_unfinished_requests():
         step(scheduler, done_before=jobs)
-    scheduler.add_request(blend("b", list(range(8000, 8020))))
-    scheduler.add_request(blend("c", list(range(9000, 9020))))
+    for n, (budgets, (first, second), admitted) in enumerate(((dict(miss_budget=100), "bc", ["b", "c"]),
+                                                              (dict(recompute_budget=100), "de", ["d"]))):
+        context.config = dataclasses.replace(context.config, **budgets)
+        scheduler.add_request(blend(first, list(range(8000 + 100 * n, 8020 + 100 * n))))
+        scheduler.add_request(blend(second, list(range(9000 + 100 * n, 9020 + 100 * n))))
+        so, work = step(scheduler, done_before=jobs)
+        assert [f.req_id for f in work.fills] == admitted
+    assert "e" not in so.num_scheduled_tokens
+    assert (context.metrics.blend_requests_pending, context.metrics.blend_recompute_deferrals) == (1, 1)
     so, work = step(scheduler, done_before=jobs)
-    assert [f.req_id for f in work.fills] == ["b"] and "c" not in so.num_scheduled_tokens
-    so, work = step(scheduler, done_before=jobs)
-    assert [f.req_id for f in work.fills] == ["c"] and so.num_scheduled_tokens["c"] == 20
+    assert [f.req_id for f in work.fills] == ["e"] and so.num_scheduled_tokens["e"] == 20
+    assert (context.metrics.blend_requests_pending, context.metrics.blend_recompute_deferrals) == (0, 1)

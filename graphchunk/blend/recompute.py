@@ -13,10 +13,12 @@ before them. Policies:
                 token deviate together (both come from the same hidden state);
 ``legolink``    EPIC's LegoLink (ICML'25): the first ``tokens`` tokens of every chunk, which
                 computed alone became attention sinks;
-``question``    question-aware (after ProphetKV, ICML'26): the question runs once through every
-                layer over the reused KV, and the ``ratio`` share of chunk tokens it attends to
-                most (softmax probability summed over its tokens, heads and layers) is recomputed
-                through all layers. The question must be scheduled in the same step as the chunk
+``question``    question-aware (after ProphetKV, ICML'26): the question runs once over the reused
+                KV (the documents' keys already rotated to where they land), through every layer
+                or, with ``layers`` k, only the first k (A3's and InfoFlow's early-layer pick: a
+                scoring pass ~k/L of the full one), and the ``ratio`` share of chunk tokens it
+                attends to most (softmax probability summed over its tokens, heads and those
+                layers) is recomputed through all layers. The question must be scheduled in the same step as the chunk
                 tokens it ranks; a step of chunked prefill that fills context without its question
                 (or a question longer than a forward's budget, or one whose blocks vLLM has not
                 all allocated yet: vLLM scheduled only part of it) ranks by CacheBlend's deviation
@@ -55,6 +57,9 @@ class RecomputePolicy:
     """cacheblend, question: the first tokens of every chunk, recomputed first within the ratio's count."""
     spread: str = "context"
     """cacheblend, question: the ratio over the step's chunk tokens together ('context') or per chunk ('chunk')."""
+    layers: int = 0
+    """question: the scoring pass runs the question through the first ``layers`` layers and ranks by
+    their attention (0: every layer; more than the model has: every layer)."""
 
     def __post_init__(self):
         if self.name not in POLICIES:
@@ -65,6 +70,8 @@ class RecomputePolicy:
             raise ValueError(f"recompute tokens must be an integer >= 0, got {self.tokens!r}")
         if isinstance(self.sinks, bool) or not isinstance(self.sinks, int) or self.sinks < 0:
             raise ValueError(f"recompute sinks must be an integer >= 0, got {self.sinks!r}")
+        if isinstance(self.layers, bool) or not isinstance(self.layers, int) or self.layers < 0:
+            raise ValueError(f"recompute layers must be an integer >= 0 (0: every layer), got {self.layers!r}")
         if self.spread not in SPREADS:
             raise ValueError(f"recompute spread must be one of {SPREADS}, got {self.spread!r}")
 
@@ -87,7 +94,8 @@ class RecomputePolicy:
     def describe(self) -> str:
         if self.name in ("cacheblend", "question"):
             sinks = f"+sinks:{self.sinks}" if self.sinks else ""
-            return f"{self.name}:{self.ratio!r}{sinks}" + ("/chunk" if self.spread == "chunk" else "")
+            layers = f"@{self.layers}" if self.layers and self.name == "question" else ""
+            return f"{self.name}:{self.ratio!r}{sinks}{layers}" + ("/chunk" if self.spread == "chunk" else "")
         return f"legolink:{self.tokens}" if self.name == "legolink" else "none"
 
 
@@ -163,7 +171,7 @@ def recompute(prompts, device, *, check_layer: int, budget: int, block_size: int
         picks.update(_ask(prompts, asked, device, budget, metrics))
     if checked:
         picks.update(_check(prompts, checked, device, check_layer, budget, block_size, metrics))
-    seqs = [_seq(prompts[n], a, a + length) for n, chosen in picks.items() for a, length in consecutive_runs(chosen)]
+    seqs = [_seq(prompts[n], a, a + length) for n, chosen in sorted(picks.items()) for a, length in consecutive_runs(chosen)]
     for batch in split_forward_batches(seqs, budget):
         device.prefill(batch)
     metrics.blend_tokens_recomputed += sum(len(chosen) for chosen in picks.values())
@@ -197,20 +205,26 @@ def _question_fits(prompt, budget: int, block_size: int) -> bool:
 
 
 def _ask(prompts, asked, device, budget: int, metrics) -> dict[int, np.ndarray]:
-    """The question-aware selection: each question once through every layer over its request's
-    reused context, in batches of at most ``budget`` tokens; the candidates it attends to most."""
-    seqs = [_seq(prompts[n], prompts[n].seg.layout.context_len, prompts[n].seg.layout.num_tokens) for n, _ in asked]
-    scores, batch, used = [], [], 0
-    for seq in seqs:
-        if batch and used + seq.num_new > budget:
-            scores += device.context_attention(batch)
-            batch, used = [], 0
-        batch.append(seq)
-        used += seq.num_new
-    scores += device.context_attention(batch)
-    metrics.blend_tokens_scored += sum(seq.num_new for seq in seqs)
-    return {n: _select(prompts[n], candidates, scores[i][candidates].cpu().numpy())
-            for i, (n, candidates) in enumerate(asked)}
+    """The question-aware selection: each question once over its request's reused context, through
+    its policy's layers, in batches of at most ``budget`` tokens (one depth per batch); the
+    candidates it attends to most."""
+    picks = {}
+    for depth in sorted({prompts[n].policy.layers for n, _ in asked}):
+        group = [(n, candidates) for n, candidates in asked if prompts[n].policy.layers == depth]
+        seqs = [_seq(prompts[n], prompts[n].seg.layout.context_len, prompts[n].seg.layout.num_tokens)
+                for n, _ in group]
+        scores, batch, used = [], [], 0
+        for seq in seqs + [None]:
+            if batch and (seq is None or used + seq.num_new > budget):
+                scores += device.context_attention(batch, num_layers=depth or None)
+                batch, used = [], 0
+            if seq is not None:
+                batch.append(seq)
+                used += seq.num_new
+        metrics.blend_tokens_scored += sum(seq.num_new for seq in seqs)
+        picks.update({n: _select(prompts[n], candidates, scores[i][candidates].cpu().numpy())
+                      for i, (n, candidates) in enumerate(group)})
+    return picks
 
 
 def _select(prompt, candidates: np.ndarray, scores: np.ndarray) -> np.ndarray:

@@ -14,8 +14,10 @@ Per segmented request (``ChunkRequest``, read once from what graphchunk's fronte
               recompute has not finished (the recompute needs the question's blocks).
               A pool too full for the plan answers None (vLLM asks again next step), and so
               does an all-hit blend request once the step's blend recompute (which vLLM's token
-              budget does not see: it runs as graphchunk's own forwards) has reached
-              ``miss_budget`` tokens: one is always admitted.
+              budget does not see: it runs as graphchunk's own forwards) would pass
+              ``recompute_budget`` tokens: one is always admitted. Blend requests holding a plan
+              not yet filled (waiting for their misses or for that budget) are the gauge
+              ``blend_requests_pending``; each put-off, ``blend_recompute_deferrals``.
 ``allocated`` (vLLM allocated its blocks) turns the plan into a load: a fill this step (hits), or
               a load the workers complete by themselves once its jobs have run (isolated misses).
 ``metadata``  (vLLM builds the step's metadata) sends the step's new jobs, fills and loads and
@@ -166,7 +168,6 @@ class ContextScheduler:
         path = engine_metrics_file(engine)
         self.publisher = MetricsPublisher(path, POOL_FIELDS) if path else None
         """Publishes the pool's metrics for the API process's /metrics (the workers publish theirs)."""
-        self.publish()
         self._requests: dict[str, _Request] = {}
         self._jobs: list[MissJob] = []
         self._fills: list[ContextLoad] = []
@@ -178,6 +179,7 @@ class ContextScheduler:
         """The workers' first unfinished job, as last reported."""
         self._recompute_tokens = 0
         """Blend recompute admitted into this step (``RecomputePolicy.cost``)."""
+        self.publish()
 
     @property
     def pool(self) -> ChunkPool:
@@ -212,7 +214,8 @@ class ContextScheduler:
         if load_async and state.chunked.policy is not None:
             return None, False  # blend: loaded synchronously once its jobs have run (module docstring)
         if not load_async and self._recompute_tokens and \
-                self._recompute_tokens + self._recompute_cost(state) > self.config.miss_budget:
+                self._recompute_tokens + self._recompute_cost(state) > self.config.recompute_budget:
+            self.metrics.blend_recompute_deferrals += 1
             return None, False  # this step's blend recompute is full: next step
         return state.context_len - num_computed, load_async
 
@@ -259,6 +262,8 @@ class ContextScheduler:
     def publish(self) -> None:
         """Audits the pool and publishes its metrics (``POOL_FIELDS``) for /metrics and ``GraphChunkLLM.stats``."""
         self.pool.audit()
+        self.metrics.blend_requests_pending = sum(
+            state.plan is not None and state.chunked.policy is not None for state in self._requests.values())
         if self.publisher is not None:
             self.publisher.publish(self.metrics)
 

@@ -16,7 +16,7 @@ its compiled call): it traces and captures nothing and replays no graph. Full-de
 the compiled graph.
 
 The question-aware recompute policy's scoring pass (``context_attention``) runs the question
-through vLLM's plain forward too, with a pre-hook on each attention layer recording its queries
+through vLLM's plain forward too (its first layers only, for a policy with ``layers``), with a pre-hook on each attention layer recording its queries
 (hooks do not run inside a compiled graph); its attention to the context is then computed from
 those queries and the keys in the cache, as the layer's softmax would (scale, grouped heads).
 
@@ -44,20 +44,21 @@ class RunnerKV:
     def prefill(self, seqs: list[PseudoSeq], num_layers: int | None = None) -> None:
         self._forward(seqs, num_layers, plain=num_layers is not None)
 
-    def context_attention(self, seqs: list[PseudoSeq]) -> list[torch.Tensor]:
+    def context_attention(self, seqs: list[PseudoSeq], num_layers: int | None = None) -> list[torch.Tensor]:
         queries: list[torch.Tensor] = []
 
         def record(module, args, kwargs):
             queries.append((args[0] if args else kwargs["query"]).detach().clone())
 
-        hooks = [layer.register_forward_pre_hook(record, with_kwargs=True) for layer in self.layers]
+        layers = self.layers if num_layers is None else self.layers[:num_layers]
+        hooks = [layer.register_forward_pre_hook(record, with_kwargs=True) for layer in layers]
         try:
-            self._forward(seqs, None, plain=True)
+            self._forward(seqs, num_layers, plain=True)
         finally:
             for hook in hooks:
                 hook.remove()
-        if len(queries) != len(self.layers):
-            raise RuntimeError(f"question-aware recompute: {len(queries)} of {len(self.layers)} attention layers ran")
+        if len(queries) != len(layers):
+            raise RuntimeError(f"question-aware recompute: {len(queries)} of {len(layers)} attention layers ran")
         bs = self.runner.cache_config.block_size
         scores = [torch.zeros(s.num_cached, device=queries[0].device) for s in seqs]
         for index, (layer, query) in enumerate(zip(self.layers, queries)):

@@ -196,16 +196,17 @@ class Oracle:
         return cache, new, keys[None, :] <= new[:, None]
 
     @torch.inference_mode()
-    def question_attention(self, token_ids: list[int], layout: Layout) -> np.ndarray:
+    def question_attention(self, token_ids: list[int], layout: Layout, num_layers: int | None = None) -> np.ndarray:
         """The question's attention over the naively reused context (blend, nothing recomputed):
         HF's own softmax probabilities, summed over the question's tokens, every head and every
-        layer, per context token [context_len] (what the ``question`` recompute policy ranks by)."""
+        layer (the first ``num_layers`` only, when given), per context token [context_len] (what
+        the ``question`` recompute policy ranks by)."""
         cache, kept, _ = self._blend_cache(token_ids, layout, ())
         question = np.arange(layout.context_len, layout.num_tokens)
         keys = np.concatenate([np.array(kept, dtype=np.int64), question])
         out = self._forward(token_ids[layout.context_len:], question, keys[None, :] <= question[:, None], cache,
                             output_attentions=True)
-        total = sum(layer[0].float().sum(dim=(0, 1)) for layer in out.attentions)  # [keys]
+        total = sum(layer[0].float().sum(dim=(0, 1)) for layer in out.attentions[:num_layers])  # [keys]
         return total[: layout.context_len].numpy().astype(np.float64)
 
     def _blend_cache(self, token_ids: list[int], layout: Layout, recomputed: Sequence[int]):
