@@ -54,16 +54,23 @@ def _interval(ci) -> str:
 
 
 def quality_table(result_path: Path) -> str:
-    """A bench_blend result as a table: every setting's answers against full prefill, and its speed."""
+    """A bench_blend result as a table: every setting's answers against full prefill, and its speed;
+    with a baseline (``--baseline``), each setting's paired differences from it."""
     result = json.loads(result_path.read_text())
     families = list(result["rows"][0]["by_task"])
+    baseline = next((r["vs_baseline"]["baseline"] for r in result["rows"] if "vs_baseline" in r), None)
+    paired = [f"KL − {baseline} [95 %]", f"EM − {baseline} [95 %]"] if baseline else []
     rows = ["| setting | exact match | EM − full prefill [95 %] | " + " | ".join(families)
-            + " | KL, continuation | all-hit TTFT ms | x full prefill |",
-            "|---" * (6 + len(families)) + "|"]
+            + " | KL, continuation | " + "".join(f"{p} | " for p in paired) + "all-hit TTFT ms | x full prefill |",
+            "|---" * (6 + len(families) + len(paired)) + "|"]
     for r in result["rows"]:
         per_family = " | ".join(f"{r['by_task'][f]['exact_match']:.2f}" for f in families)
+        pair = r.get("vs_baseline")
+        vs = (f"{pair['kl_delta']:+.3f} [{pair['kl_delta_ci'][0]:+.3f}, {pair['kl_delta_ci'][1]:+.3f}] | "
+              f"{pair['exact_match_delta']:+.2f} {_interval(pair['exact_match_delta_ci'])} | " if pair
+              else "baseline | baseline | " if baseline else "")
         rows.append(f"| {r['label']} | {r['exact_match']:.2f} | {r['exact_match_delta']:+.2f} "
-                    f"{_interval(r['exact_match_delta_ci'])} | {per_family} | {r['kl']:.3g} | "
+                    f"{_interval(r['exact_match_delta_ci'])} | {per_family} | {r['kl']:.3g} | {vs}"
                     f"{r['ttft_ms_all_hit']:.0f} | {r['ttft_all_hit_over_full_prefill']:.2f} |")
     return "\n".join(rows)
 

@@ -17,6 +17,7 @@ MODES = ("isolated", "blend")
 MODE_SETTINGS = ("auto", *MODES)
 """The deployment's default mode: a request's mode, or 'auto' (``GraphChunkConfig.default_mode``)."""
 DOCUMENTS_FALLBACKS = ("refuse", "ordinary")
+BLEND_MISSES = ("prefill", "blend")
 
 
 class ConfigError(ValueError):
@@ -102,6 +103,14 @@ class GraphChunkConfig:
     all-hit blend requests the step schedules, one request at least; the others wait for a later
     step (``blend_requests_pending``, ``blend_recompute_deferrals``). A step's recompute then
     costs at most this, or one request's own when that is more."""
+    blend_misses: str = "prefill"
+    """A blend request whose missing entries (chunks and sys prompt the pool holds neither ready nor
+    in flight) and recompute (``RecomputePolicy.cost``) add up to at least its context: 'prefill'
+    runs it as vLLM's full prefill (blend's target, exactly; ``blend_full_prefills``) and computes
+    those entries for later requests from the next step on, never in its way; 'blend' makes it
+    wait for its misses and blends it like any other. Applies to the policies whose KV vLLM's
+    prefix cache never shares between requests (question and cacheblend at a ratio strictly
+    between 0 and 1); not with ``store_path``, whose tier may serve a miss for the price of a copy."""
     documents_fallback: str = "refuse"
     """A documents request graphchunk cannot chunk (a template that puts the documents after the
     question or hides them, a renderer without an HF template, more than ``max_chunks`` documents,
@@ -137,6 +146,8 @@ class GraphChunkConfig:
                               "set graphchunk.store_path too")
         if self.mode not in MODE_SETTINGS:
             raise ConfigError(f"graphchunk.mode must be one of {MODE_SETTINGS}, got {self.mode!r}")
+        if self.blend_misses not in BLEND_MISSES:
+            raise ConfigError(f"graphchunk.blend_misses must be one of {BLEND_MISSES}, got {self.blend_misses!r}")
         if self.documents_fallback not in DOCUMENTS_FALLBACKS:
             raise ConfigError(f"graphchunk.documents_fallback must be one of {DOCUMENTS_FALLBACKS}, "
                               f"got {self.documents_fallback!r}")
@@ -192,4 +203,4 @@ _TYPES = {"separator": str, "max_chunks": int, "max_chunk_len": int, "pool_token
           "recompute_sinks": int, "recompute_spread": str, "recompute_layers": int,
           "check_layer": int, "store_path": str, "store_bytes": int,
           "host_bytes": int, "documents_fallback": str, "miss_budget": int,
-          "recompute_budget": int}
+          "recompute_budget": int, "blend_misses": str}

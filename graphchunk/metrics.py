@@ -109,6 +109,8 @@ class CacheMetrics:
                                  "miss jobs not yet run (0 when idle)")
     blend_requests_pending: int = _gauge("Blend-mode requests planned but not yet scheduled: waiting for their chunk "
                                          "misses to be computed or for a step's recompute budget")
+    blend_full_prefills: int = _counter("Blend-mode requests run as vLLM's full prefill because their chunk misses and "
+                                        "recompute would cost at least as much (blend_misses='prefill')")
     blend_recompute_deferrals: int = _counter("Times an all-hit blend-mode request was put off to a later step "
                                               "because the step's recompute budget was spent")
     pool_blocks_leaked: int = _gauge("Pool blocks used but owned by no indexed entry (0 unless something leaked)")
@@ -159,7 +161,7 @@ GAUGES = tuple(name for name, (kind, _) in SCHEMA.items() if kind == "gauge")
 FIELDS = COUNTERS + GAUGES
 """Order of the values in the shared metrics file."""
 POOL_FIELDS = ("evictions", "pool_blocks_used", "pool_blocks_total", "pool_refs_held", "pool_blocks_leaked",
-               "pool_utilization", "blend_requests_pending", "blend_recompute_deferrals")
+               "pool_utilization", "blend_requests_pending", "blend_recompute_deferrals", "blend_full_prefills")
 """The pool's own metrics and the admission of blend requests: kept where vLLM schedules (the one
 pool index, ``engine/context_scheduler``) and published from there; every other field is the worker's."""
 WORKER_FIELDS = tuple(name for name in FIELDS if name not in POOL_FIELDS)

@@ -95,7 +95,7 @@ from pathlib import Path
 import harness as H
 from blend_metrics import DEFINITIONS, FULL_KL_TOL, plot, print_table, rows
 from blend_runner import run
-from blend_task import DEFAULT_SETTINGS, SYS_TEXT, parse_settings
+from blend_task import DEFAULT_SETTINGS, SYS_TEXT, one_setting, parse_settings
 from rag_tasks import FAMILIES, parse_docs, parse_families
 
 REPO = H.REPO
@@ -116,6 +116,9 @@ def parse_args(argv=None):
     p.add_argument("--answer-tokens", type=int, default=24, help="free greedy tokens scored for exact match")
     p.add_argument("--repeats", type=int, default=1, help="timed rounds per prompt")
     p.add_argument("--settings", default="all", help=f"comma list; all = {DEFAULT_SETTINGS}")
+    p.add_argument("--baseline", default=None,
+                   help="a setting of --settings (e.g. question:0.3): every other row gets its paired differences "
+                        "from it (vs_baseline)")
     p.add_argument("--block-size", type=int, default=128, help="vLLM's CPU default")
     p.add_argument("--pool-tokens", type=int, default=0, help="0: sized from the workload")
     p.add_argument("--no-salt", action="store_true",
@@ -129,6 +132,10 @@ def parse_args(argv=None):
     p.add_argument("--plot", type=Path, default=REPO / "perf/results/blend_quality.png")
     args = H.parse_with_quick(p, argv, QUICK)
     args.settings = parse_settings(args.settings)
+    if args.baseline:
+        args.baseline = one_setting(args.baseline).label
+        if args.baseline not in [s.label for s in args.settings]:
+            raise SystemExit(f"--baseline {args.baseline!r} is not among --settings")
     args.families = parse_families(args.families)
     parse_docs(args.docs)
     return args

@@ -69,11 +69,25 @@ for path in (str(REPO), str(PERF)):
 
 import harness as H  # noqa: E402
 import serve_trace as T  # noqa: E402
+from blend_task import one_setting  # noqa: E402
 from soak_server import scrape, total  # noqa: E402
 from graphchunk.tools.serve_demo import VllmServer  # noqa: E402
 
 KINDS = {"vanilla": None, "isolated": {"mode": "isolated"}, "blend": {"mode": "blend"}}
-"""Server kind -> graphchunk's settings (None: vanilla vLLM, its own worker)."""
+"""Server kind -> graphchunk's settings (None: vanilla vLLM, its own worker). Besides these,
+``blend:POLICY`` (a bench_blend setting: ``blend:question:0.15@2``, ``blend:legolink:15``) is blend
+mode with that recompute policy as the deployment's default."""
+
+
+def settings_of(kind: str) -> dict | None:
+    """graphchunk's settings of server ``kind`` (``KINDS``, or ``blend:POLICY``)."""
+    if kind in KINDS:
+        return KINDS[kind]
+    name, _, spec = kind.partition(":")
+    setting = one_setting(spec) if name == "blend" and spec else None
+    if setting is None or not setting.blend:
+        raise ValueError(f"unknown kind {kind!r}; known: {', '.join(KINDS)}, blend:POLICY (e.g. blend:question:0.15@2)")
+    return {key.removeprefix("graphchunk_"): value for key, value in setting.extra.items()}
 COUNTERS = ("graphchunk_lookups_total", "graphchunk_hits_total", "graphchunk_misses_total",
             "graphchunk_tier_hits_total", "graphchunk_evictions_total", "graphchunk_tokens_reused_total",
             "graphchunk_tokens_computed_total", "graphchunk_blend_tokens_recomputed_total",
@@ -141,7 +155,8 @@ def server_flags(args) -> list[str]:
 
 
 def start_server(args, model: Path, kind: str, work: Path, store: Path | None = None, log=print) -> VllmServer:
-    settings = KINDS[kind] and {**KINDS[kind], **({"store_path": str(store)} if store else {})}
+    settings = settings_of(kind)
+    settings = settings and {**settings, **({"store_path": str(store)} if store else {})}
     name = kind + ("-precomputed" if store else "")
     server = VllmServer(model, dtype=args.dtype, graphchunk=settings, flags=server_flags(args),
                         worker_cls="graphchunk.Runner" if settings else None, log_path=work / f"{name}.log")
@@ -386,12 +401,13 @@ COLORS = {"vanilla": "tab:gray", "isolated": "tab:blue", "blend": "tab:orange"}
 def plot(result: dict, path: Path) -> None:
     plt = H.pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
-    series = sorted({(r["kind"], r["phase"]) for r in result["rows"]}, key=lambda kp: (list(COLORS).index(kp[0]), kp[1]))
+    kinds = list(dict.fromkeys([*COLORS, *(r["kind"] for r in result["rows"])]))
+    series = sorted({(r["kind"], r["phase"]) for r in result["rows"]}, key=lambda kp: (kinds.index(kp[0]), kp[1]))
     for kind, phase in series:
         rows = sorted((r for r in result["rows"] if (r["kind"], r["phase"]) == (kind, phase)),
                       key=lambda r: r["concurrency"])
         xs = [r["concurrency"] for r in rows]
-        style = dict(ls=LINE_STYLES[phase], marker="o", color="black" if phase == "ceiling" else COLORS[kind],
+        style = dict(ls=LINE_STYLES[phase], marker="o", color="black" if phase == "ceiling" else COLORS.get(kind, f"C{kinds.index(kind)}"),
                      label=f"{kind} {phase}" + (": every prompt a prefix-cache hit" if phase == "ceiling" else ""))
         axes[0].plot(xs, [r["request_throughput"] for r in rows], **style)
         axes[1].plot(xs, [r["ttft_ms"]["p50"] / 1000 for r in rows], **style)
@@ -408,13 +424,14 @@ def plot(result: dict, path: Path) -> None:
 
 
 def table(result: dict) -> str:
-    lines = ["kind      phase        c  req/s   tok/s  TTFT p50 ms  p99 ms  TPOT p50  hit rate  x vanilla req/s  "
+    width = max([9, *(len(r["kind"]) for r in result["rows"])])
+    lines = [f"{'kind':{width}s} phase        c  req/s   tok/s  TTFT p50 ms  p99 ms  TPOT p50  hit rate  x vanilla req/s  "
              "TTFT speedup  gain(req/s)"]
     for r in result["rows"]:
         hit = r["cache"]["chunk_hit_rate"] if r["kind"] != "vanilla" else r["cache"]["prefix_cache_hit_rate"]
         vs, gain = r.get("vs_vanilla", {}), r.get("gain_fraction", {})
         fmt = lambda v, f: format(v, f) if v is not None else "-"  # noqa: E731
-        lines.append(f"{r['kind']:9s} {r['phase']:11s} {r['concurrency']:3d} {r['request_throughput']:6.2f} "
+        lines.append(f"{r['kind']:{width}s} {r['phase']:11s} {r['concurrency']:3d} {r['request_throughput']:6.2f} "
                      f"{r['output_throughput']:7.1f} {r['ttft_ms']['p50']:11.0f} {r['ttft_ms']['p99']:7.0f} "
                      f"{fmt(r['tpot_ms']['p50'], '8.0f')} {fmt(hit, '9.2f')} {fmt(vs.get('request_throughput'), '16.2f')} "
                      f"{fmt(vs.get('ttft_p50_speedup'), '13.2f')} {fmt(gain.get('request_throughput'), '11.2f')}")
@@ -476,8 +493,11 @@ def _pair(text: str) -> tuple[int, int]:
 
 def _names(text: str) -> list[str]:
     names = text.split(",")
-    if unknown := set(names) - set(KINDS):
-        raise argparse.ArgumentTypeError(f"unknown kinds {sorted(unknown)}; known: {', '.join(KINDS)}")
+    try:
+        for name in names:
+            settings_of(name)
+    except (ValueError, SystemExit) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     return names
 
 

@@ -45,6 +45,10 @@ DEFINITIONS = {
                    "re.search(r'(?<!\\d)CODE(?!\\d)', text); which_doc: the first of the prompt's document "
                    "titles the answer names (as a word) is the gold document's; the mean over prompts",
     "exact_match_delta": "per prompt exact_match(setting) - exact_match(vanilla), paired; the mean over prompts",
+    "vs_baseline": "with --baseline: per prompt, this setting's kl (and exact_match) minus the baseline setting's on "
+                   "the same prompt (paired); kl_delta and exact_match_delta are the means over prompts, each with its "
+                   "95 % bootstrap interval (kl_delta_ci: an interval wholly above 0 means the setting is further "
+                   "from full prefill than the baseline on these prompts)",
     "*_ci": "95 % percentile bootstrap interval of the mean: prompts resampled with replacement (2000 resamples, "
             "seed 0, the same resampled prompt sets for every metric of a row); widened to contain the point "
             "estimate where rounding puts it outside",
@@ -177,8 +181,26 @@ def rows(args, res) -> list[dict]:
     vanilla = res["per"][args.settings[0].label]
     vanilla_em = {q["prompt"]: q["exact_match"] for q in vanilla["quality"]}
     full_prefill_ms = H.percentile(np.asarray(vanilla["ttft"]) * 1e3, 50)
-    return [row_of(s, res["per"][s.label], vanilla_em, full_prefill_ms, res["broken"].get(s.label))
-            for s in args.settings]
+    out = [row_of(s, res["per"][s.label], vanilla_em, full_prefill_ms, res["broken"].get(s.label))
+           for s in args.settings]
+    if getattr(args, "baseline", None):
+        paired(out, args.baseline)
+    return out
+
+
+def paired(result_rows: list[dict], baseline: str) -> None:
+    """Adds ``vs_baseline`` to every other row: its kl and exact_match minus the ``baseline`` row's,
+    prompt by prompt (the prompts both answered), as means with bootstrap intervals."""
+    base = next(r for r in result_rows if r["label"] == baseline)
+    base_of = {p: i for i, p in enumerate(base["per_prompt"]["prompt"])}
+    for row in result_rows:
+        if row is base or not row["n_prompts"]:
+            continue
+        mine = row["per_prompt"]
+        both = [(i, base_of[p]) for i, p in enumerate(mine["prompt"]) if p in base_of]
+        cols = {f"{m}_delta": np.asarray([mine[m][i] - base["per_prompt"][m][j] for i, j in both], dtype=float)
+                for m in ("kl", "exact_match")}
+        row["vs_baseline"] = {"baseline": baseline, "n_prompts": len(both), **bootstrap(cols, **BOOTSTRAP)}
 
 
 # --- table and plot -------------------------------------------------------------------------------
@@ -195,9 +217,12 @@ def print_table(result_rows: list[dict]) -> None:
         if not row["n_prompts"] or row["ttft_ms_all_hit"] is None:
             print(f"{row['label']:>18}  no result: {row['failed']}")
             continue
+        paired_kl = row.get("vs_baseline")
         print(f"{row['label']:>18} {_ci(row, 'kl', '8.3g'):>29} {_ci(row, 'kl_first', '8.3g'):>29} "
               f"{_ci(row, 'top1_agreement', '.3f'):>19} {_ci(row, 'exact_match', '.2f'):>18} "
               f"{row['ttft_ms_all_hit']:>16.1f} {row['ttft_all_hit_over_full_prefill'] or 0:>7.2f}"
+              + (f"   vs {paired_kl['baseline']}: KL {_ci(paired_kl, 'kl_delta', '+.3g')}, "
+                 f"exact match {_ci(paired_kl, 'exact_match_delta', '+.2f')}" if paired_kl else "")
               + ("  (FAILED later)" if row["failed"] else ""))
 
 

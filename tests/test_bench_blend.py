@@ -20,19 +20,21 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "perf"))
 
-from blend_metrics import FULL_KL_TOL, METRICS  # noqa: E402
+from blend_metrics import FULL_KL_TOL, METRICS, paired  # noqa: E402
 from blend_task import TASK_KINDS  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-SETTINGS = ["vanilla", "isolated", "isolated T=0.8", "blend none", "question r=0.3", "cacheblend r=1"]
+SETTINGS = ["vanilla", "isolated", "isolated T=0.8", "blend none", "question r=0.3", "question r=0.3 L=2",
+            "cacheblend r=1"]
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench_blend")
     cmd = [sys.executable, str(REPO / "perf/bench_blend.py"), "--quick", "--enforce-eager",
-           "--settings", "vanilla,isolated,isolated:0.8,none,question:0.3,cacheblend:1.0", "--out", str(out / "blend.json"),
+           "--settings", "vanilla,isolated,isolated:0.8,none,question:0.3,question:0.3@2,cacheblend:1.0",
+           "--baseline", "question:0.3", "--out", str(out / "blend.json"),
            "--plot", str(out / "blend.png")]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
     print(proc.stdout)
@@ -95,3 +97,29 @@ def test_full_recompute_and_vanilla_match_full_prefill(run):
     rows = {row["label"]: row for row in result["rows"]}
     assert abs(rows["vanilla"]["kl"]) < FULL_KL_TOL, rows["vanilla"]["per_prompt"]["kl"]
     assert abs(rows["cacheblend r=1"]["kl"]) < FULL_KL_TOL, rows["cacheblend r=1"]["per_prompt"]["kl"]
+
+
+def test_every_other_setting_is_paired_with_the_baseline(run):
+    _, result, _ = run
+    rows = {row["label"]: row for row in result["rows"]}
+    base = rows.pop("question r=0.3")
+    assert "vs_baseline" not in base
+    for label, row in rows.items():
+        pair = row["vs_baseline"]
+        assert pair["baseline"] == "question r=0.3" and pair["n_prompts"] == result["config"]["prompts"], label
+        expected = sum(a - b for a, b in zip(row["per_prompt"]["kl"], base["per_prompt"]["kl"])) / pair["n_prompts"]
+        assert pair["kl_delta"] == pytest.approx(expected) and pair["kl_delta_ci"][0] <= expected <= pair["kl_delta_ci"][1]
+    assert rows["question r=0.3 L=2"]["extra_args"]["graphchunk_recompute_layers"] == 2
+
+
+def test_paired_differences_match_prompts_not_positions():
+    """A setting's prompts in another order (or some missing) are paired by prompt index."""
+    def row(label, prompts, kl, em):
+        return {"label": label, "n_prompts": len(prompts),
+                "per_prompt": {"prompt": prompts, "kl": kl, "exact_match": em}}
+
+    rows = [row("base", [0, 1, 2], [0.1, 0.2, 0.3], [1, 0, 1]), row("other", [2, 0], [0.5, 0.1], [0, 1])]
+    paired(rows, "base")
+    pair = rows[1]["vs_baseline"]
+    assert pair["n_prompts"] == 2 and pair["kl_delta"] == pytest.approx(0.1) and pair["exact_match_delta"] == -0.5
+    assert "vs_baseline" not in rows[0]

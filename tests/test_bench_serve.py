@@ -116,3 +116,21 @@ def test_vanilla_and_graphchunk_got_the_same_prompts(result):
 
 def test_every_check_passed(result):
     assert all(ok is not False for ok in result["checks"].values()), result["checks"]
+
+
+def test_a_blend_kind_names_its_recompute_policy():
+    """``blend:POLICY`` serves blend with that policy as the deployment's default; a bad one is refused."""
+    sys.path.insert(0, str(REPO / "perf"))
+    from bench_serve import settings_of
+
+    from graphchunk.config import GraphChunkConfig
+
+    settings = settings_of("blend:question:0.15+2@4")
+    assert settings == {"mode": "blend", "recompute": "question", "recompute_ratio": 0.15, "recompute_sinks": 2,
+                        "recompute_layers": 4}
+    assert GraphChunkConfig.from_dict(settings).policy.describe() == "question:0.15+sinks:2@4"
+    assert settings_of("blend:legolink:15") == {"mode": "blend", "recompute": "legolink", "recompute_tokens": 15}
+    assert settings_of("isolated") == {"mode": "isolated"} and settings_of("vanilla") is None
+    for bad in ("blend:vanilla", "blend:isolated:0.8", "other", "blend:question:x"):
+        with pytest.raises((ValueError, SystemExit)):
+            settings_of(bad)

@@ -149,9 +149,33 @@ def test_question_policy_recomputes_what_the_question_attends_to_in_hf(gc_llm, o
     assert (other_logprobs[0] - logprobs[0]).abs().max() > 0.05
 
 
+def test_a_request_whose_misses_outweigh_its_prefill_is_full_prefill_then_its_chunks_are_reused(gc_llm, oracle,
+                                                                                               docs, text):
+    """The default question policy (r = 0.3) on documents never seen: their misses and recompute
+    cost more than the prompt's prefill, so vLLM computes its full prefill, which equals HF's
+    causal forward (blend's target, exactly; nothing recomputed or scored); its chunks are computed
+    for later requests meanwhile, and the same documents behind another question are pool hits,
+    blended."""
+    question = {"graphchunk_mode": "blend", "graphchunk_recompute": "question", "graphchunk_recompute_ratio": 0.3}
+    a, b, sys = docs[7].upper(), docs[10].upper(), "Answer from the documents."  # chunks no test cached
+    first = [RagPrompt(sys, [a, b], "Question: what do they describe?\nAnswer:")]
+    before = gc_llm.stats()["blend_full_prefills"]
+    outputs, segs, delta = generate(gc_llm, first, question)
+    check(outputs, segs, oracle, "causal")
+    assert gc_llm.stats()["blend_full_prefills"] - before == 1
+    assert (delta["blend_misses"], delta["blend_tokens_recomputed"], delta["blend_tokens_scored"]) == (2, 0, 0)
+    again = [RagPrompt(sys, [b, a], "Question: which comes first?\nAnswer:")]
+    outputs, segs, delta = generate(gc_llm, again, question)
+    assert gc_llm.stats()["blend_full_prefills"] - before == 1
+    assert (delta["blend_hits"], delta["blend_misses"]) == (2, 0) and delta["blend_tokens_recomputed"] > 0
+
+
 def test_cacheblend_counts(gc_llm, docs, text):
-    """A prompt filled in one step: every chunk token through the check layers, ceil(r n) recomputed."""
+    """A prompt filled in one step: every chunk token through the check layers, ceil(r n) recomputed.
+    Its chunks are cached first (else its misses and recompute would outweigh its prefill: vLLM's
+    full prefill instead, ``blend_misses``)."""
     prompts = [RagPrompt(text.text(5), [docs[10], docs[5]], text.question(6))]
+    generate(gc_llm, [RagPrompt("", [docs[5], docs[10]], "Warm?")], BLEND_NONE)
     _, segs, delta = generate(gc_llm, prompts, {"graphchunk_mode": "blend", "graphchunk_recompute": "cacheblend",
                                                 "graphchunk_recompute_ratio": 0.3})
     n = sum(segs[0].layout.chunk_lens)

@@ -264,7 +264,11 @@ def test_a_blend_request_with_misses_waits_unallocated_then_loads_in_the_step_th
     from vllm import SamplingParams
     from vllm.v1.request import Request, RequestStatus
 
+    import dataclasses
+
     scheduler, hasher = make_scheduler()
+    context = scheduler.connector._context()
+    context.config = dataclasses.replace(context.config, blend_misses="blend")  # else prefilled: the next test
     params = SamplingParams(max_tokens=4, extra_args={BOUNDARIES_ARG: [40, 150], "graphchunk_mode": "blend"})
     scheduler.add_request(Request("b", SYS + C1 + Q, params, None, block_hasher=hasher))
     so, work = step(scheduler, done_before=0)
@@ -281,6 +285,45 @@ def test_a_blend_request_with_misses_waits_unallocated_then_loads_in_the_step_th
     assert (fill.start, fill.end) == (0, 150) and list(fill.block_ids) == list(so.scheduled_new_reqs[0].block_ids[0])
 
 
+def test_a_blend_request_whose_misses_cost_more_than_its_prefill_is_prefilled_by_vllm(make_scheduler):
+    """blend_misses 'prefill': sys and chunk missing (150 tokens) and the default recompute (30 % of
+    110 chunk tokens and the 20-token question) cost more than the 150-token context, so vLLM
+    computes the prompt itself (chunked by its 64-token budget), nothing loaded; the missing
+    entries are planned once that step's metadata is built and their jobs sent with the next step.
+    A later request over the same documents is all hits and blended; one whose only miss is a
+    130-token chunk among hits (130 + 92 < 248, the 280-token context after vLLM's prefix-cache hit
+    of one block of sys) waits for it and is blended."""
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    scheduler, hasher = make_scheduler()
+    context = scheduler.connector._context()
+
+    def blend(req_id, tokens, boundaries):
+        params = SamplingParams(max_tokens=8, extra_args={BOUNDARIES_ARG: boundaries, "graphchunk_mode": "blend"})
+        return Request(req_id, tokens, params, None, block_hasher=hasher)
+
+    scheduler.add_request(blend("p", SYS + C1 + Q, [40, 150]))
+    so, work = step(scheduler, done_before=0)
+    assert so.num_scheduled_tokens == {"p": 64} and so.scheduled_new_reqs[0].num_computed_tokens == 0
+    assert not (work.jobs or work.fills or work.loads) and context.metrics.blend_full_prefills == 1
+    so, work = step(scheduler, done_before=0)
+    assert so.num_scheduled_tokens == {"p": 64} and [len(j.token_ids) for j in work.jobs] == [40, 110]
+    assert [c[0] for c in work.counts if c[0] != "lookup_seconds"] == ["lookups", "misses"]  # the chunk's; nothing reused
+    while scheduler.has_unfinished_requests():
+        step(scheduler, done_before=2)
+    scheduler.add_request(blend("q", SYS + C1 + list(range(5000, 5020)), [40, 150]))
+    so, work = step(scheduler, done_before=2)
+    assert so.num_scheduled_tokens == {"q": 20} and [f.req_id for f in work.fills] == ["q"]
+    scheduler.add_request(blend("r", SYS + C2 + C1 + list(range(6000, 6020)), [40, 170, 280]))
+    so, work = step(scheduler, done_before=2)
+    assert "r" not in so.num_scheduled_tokens and [len(j.token_ids) for j in work.jobs] == [130]
+    step(scheduler, done_before=3)
+    so, work = step(scheduler, done_before=3)
+    assert so.num_scheduled_tokens.get("r") == 20 and [f.req_id for f in work.fills] == ["r"]
+    assert context.metrics.blend_full_prefills == 1
+
+
 def test_a_step_admits_all_hit_blend_requests_up_to_the_recompute_budget(make_scheduler):
     """Blend's recompute runs as graphchunk's own forwards, which vLLM's token budget does not see:
     a step admits all-hit blend requests until their recompute (``RecomputePolicy.cost``: 30 % of
@@ -294,6 +337,7 @@ def test_a_step_admits_all_hit_blend_requests_up_to_the_recompute_budget(make_sc
 
     scheduler, hasher = make_scheduler()
     context = scheduler.connector._context()
+    context.config = dataclasses.replace(context.config, blend_misses="blend")  # "a" waits for its misses
 
     def blend(req_id, question):
         params = SamplingParams(max_tokens=4, extra_args={BOUNDARIES_ARG: [40, 150, 280], "graphchunk_mode": "blend"})

@@ -62,9 +62,24 @@ class ContentDevice:
         return block_ids[i // BLOCK] * BLOCK + i % BLOCK
 
     def prefill(self, seqs, num_layers=None):
+        if num_layers is not None:  # CacheBlend's check pass: the fake keeps only full-depth KV
+            return
         for seq in seqs:
             for i in range(seq.num_cached, len(seq.token_ids)):
                 self.kv[self.slot(seq.block_ids, i)] = (tuple(seq.token_ids[: i + 1]), int(seq.positions[i]))
+
+    def context_attention(self, seqs, num_layers=None):
+        """The question-aware scoring pass: the question's KV, and a score per cached token that
+        every rank computes alike (a hash of the token id)."""
+        self.prefill(seqs)
+        return [torch.tensor([(t * 2654435761) % 997 / 997 for t in seq.token_ids[:seq.num_cached]])
+                for seq in seqs]
+
+    def read_keys(self, layer, slots):
+        return torch.zeros(len(slots), 1, 1)
+
+    def sum_over_ranks(self, values):
+        return values
 
     def copy_blocks(self, src, dst):
         for s, d in zip(src, dst):
@@ -82,20 +97,23 @@ class ContentDevice:
             self.kv[d] = None if value is None else (value[0], value[1] + delta)
 
 
-def expected(request, t: int):
-    """The KV of context token ``t`` by the request's semantics (DESIGN.md §2): isolated, a chunk
-    token after the sys prompt at positions from S; blend (policy 'legolink' k=2 or 'none'), a chunk
-    computed alone, moved to where it lands, its first tokens recomputed over the whole prefix."""
+def expected(request, t: int) -> set:
+    """The KV context token ``t`` may hold by the request's semantics (DESIGN.md §2): isolated, a
+    chunk token after the sys prompt at positions from S; blend (policy 'legolink' k=2 or 'none'),
+    a chunk computed alone, moved to where it lands, its first tokens recomputed over the whole
+    prefix; 'cacheblend' r=1, every token recomputed: full prefill's; 'question' r=0.3, each chunk
+    token either (which ones its ranking picks is test_blend's and test_blend_exact's to check)."""
     seg, policy = request.seg, request.policy
     if t < seg.layout.sys_len:
-        return tuple(seg.sys_tokens[: t + 1]), t
+        return {(tuple(seg.sys_tokens[: t + 1]), t)}
     for i, (begin, end) in enumerate(seg.bounds[1:-1]):
         if begin <= t < end:
+            fresh, alone = (tuple(seg.token_ids[: t + 1]), t), (tuple(seg.chunk_tokens(i)[: t - begin + 1]), t)
             if policy is None:
-                return tuple(seg.sys_tokens) + tuple(seg.chunk_tokens(i)[: t - begin + 1]), seg.layout.sys_len + t - begin
-            if policy.name == "legolink" and t - begin < policy.tokens:
-                return tuple(seg.token_ids[: t + 1]), t
-            return tuple(seg.chunk_tokens(i)[: t - begin + 1]), t
+                return {(tuple(seg.sys_tokens) + alone[0], seg.layout.sys_len + t - begin)}
+            if policy.name == "legolink" and t - begin < policy.tokens or policy.ratio == 1:
+                return {fresh}
+            return {fresh, alone} if policy.needs_check else {alone}
     raise AssertionError(f"token {t} is not context")
 
 
@@ -148,9 +166,13 @@ class Workers:
         for req_id in report:
             self.loaded.pop(req_id, None)
         req_ids = list(so.num_scheduled_tokens)
+        computed = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
+        computed.update(zip(so.scheduled_cached_reqs.req_ids, so.scheduled_cached_reqs.num_computed_tokens))
+        prompt_done = [computed[r] + so.num_scheduled_tokens[r] >= scheduler.requests[r].num_prompt_tokens
+                       for r in req_ids]  # vLLM's runner samples nothing for a partial prefill
         return ModelRunnerOutput(
             req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=[[7] for _ in req_ids],
+            sampled_token_ids=[[7] if done else [] for done in prompt_done],
             kv_connector_output=KVConnectorOutput(
                 finished_recving=report or None, invalid_block_ids=invalid,
                 kv_connector_worker_meta=GraphChunkWorkerMeta(min(self.done_before))))
@@ -160,17 +182,21 @@ class Workers:
             request = load.request
             for t in range(request.seg.layout.context_len):
                 got = engine.kv.kv.get(engine.kv.slot(load.block_ids, t))
-                assert got == expected(request, t), f"request {load.req_id}: context token {t} holds {got}"
+                assert got in expected(request, t), f"request {load.req_id}: context token {t} holds {got}"
 
     def forward(self, engine, so, scheduler):
-        """vLLM's own forward: the scheduled tokens' KV, after the fills; never a segmented request's context."""
+        """vLLM's own forward: the scheduled tokens' KV, after the fills; never a segmented request's
+        context, unless the scheduler's connector chose to run it as a full prefill (blend)."""
         computed = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
         computed.update(zip(so.scheduled_cached_reqs.req_ids, so.scheduled_cached_reqs.num_computed_tokens))
+        context = scheduler.connector._context()
         for req_id, n in so.num_scheduled_tokens.items():
             request = scheduler.requests[req_id]
             chunked = engine.requests.get(req_id)
             start = computed[req_id]
-            assert chunked is None or start >= chunked.seg.layout.context_len, \
+            prefilled = req_id in context._requests and context._requests[req_id].prefilled
+            assert chunked is None or start >= chunked.seg.layout.context_len or \
+                (prefilled and chunked.policy is not None), \
                 f"vLLM computes request {req_id}'s context itself (from token {start})"
             (block_ids,) = scheduler.kv_cache_manager.get_block_ids(req_id)
             tokens = list(request.all_token_ids)
@@ -235,7 +261,11 @@ class Stream:
         tokens += question
         mode = rng.choice([{}, {"graphchunk_mode": "blend", "graphchunk_recompute": "legolink",
                                 "graphchunk_recompute_tokens": 2},
-                           {"graphchunk_mode": "blend", "graphchunk_recompute": "none"}])
+                           {"graphchunk_mode": "blend", "graphchunk_recompute": "none"},
+                           {"graphchunk_mode": "blend", "graphchunk_recompute": "cacheblend",
+                            "graphchunk_recompute_ratio": 1.0},
+                           {"graphchunk_mode": "blend", "graphchunk_recompute": "question",
+                            "graphchunk_recompute_ratio": 0.3}])
         params = SamplingParams(max_tokens=rng.randint(1, 6), extra_args={"graphchunk_boundaries": boundaries, **mode})
         shell = SimpleNamespace(prompt_token_ids=tokens, sampling_params=params, lora_request=None, mm_features=None,
                                 cache_salt=rng.choice([None, None, "tenant-b"]))
@@ -255,7 +285,7 @@ def vllm_scheduler(smollm2_path):
     from graphchunk.engine import plugin
 
     plugin.register()
-    return lambda asynchronous=False: make_vllm_scheduler(smollm2_path, GC, asynchronous)
+    return lambda asynchronous=False, **gc: make_vllm_scheduler(smollm2_path, {**GC, **gc}, asynchronous)
 
 
 class Steps:
@@ -289,7 +319,9 @@ def test_random_request_streams_fill_exactly_what_they_planned(vllm_scheduler, s
     from vllm.v1.request import RequestStatus
 
     rng = random.Random(seed)
-    scheduler, handshake, hasher = vllm_scheduler(asynchronous)
+    # Blend requests whose misses cost more than their prefill: vLLM's full prefill on odd seeds
+    # (their entries computed for later requests), blended on even ones.
+    scheduler, handshake, hasher = vllm_scheduler(asynchronous, blend_misses="prefill" if seed % 2 else "blend")
     config = scheduler.connector._config
     pool = scheduler.connector._context().pool
     workers, stream = Workers(config, handshake, rng), Stream(rng, config, hasher)
@@ -323,8 +355,9 @@ def test_random_request_streams_fill_exactly_what_they_planned(vllm_scheduler, s
 
 
 def test_the_streams_exercise_pressure(vllm_scheduler):
-    """Across a few seeds the pool evicts and vLLM preempts: the random test covers both."""
-    evictions = preemptions = 0
+    """Across a few seeds the pool evicts, vLLM preempts, runs blend requests as full prefills (the
+    default blend_misses) and blends question-aware ones: the random test covers all four."""
+    evictions = preemptions = prefills = scored = 0
     for seed in range(3):
         rng = random.Random(seed)
         scheduler, handshake, hasher = vllm_scheduler()
@@ -337,7 +370,9 @@ def test_the_streams_exercise_pressure(vllm_scheduler):
             preemptions += len(so.preempted_req_ids or ())
             scheduler.update_from_output(so, workers.step(so, scheduler))
         evictions += scheduler.connector._context().pool.metrics.evictions
-    assert evictions and preemptions, (evictions, preemptions)
+        prefills += scheduler.connector._context().metrics.blend_full_prefills
+        scored += workers.engines[0].metrics.blend_tokens_scored
+    assert evictions and preemptions and prefills and scored, (evictions, preemptions, prefills, scored)
 
 
 def test_the_content_check_sees_a_wrong_fill(vllm_scheduler):

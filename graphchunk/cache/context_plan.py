@@ -125,6 +125,16 @@ class ContextPlanner:
             raise
         return plan
 
+    def missing_tokens(self, seg: SegmentedPrompt, salt: str | None, mode: str, start: int, end: int) -> int:
+        """Tokens of ``[start, end)`` whose entry (sys prompt or chunk) the pool holds neither ready
+        nor in flight: what planning the range would compute. Acquires nothing."""
+        missing = 0
+        for index, (begin, stop) in enumerate(seg.bounds[:-1]):
+            lo, hi = max(begin, start), min(stop, end)
+            if lo < hi and not self.pool.contains(*self._identity(seg, salt, mode, None if index == 0 else index - 1)):
+                missing += hi - lo
+        return missing
+
     def release(self, plan: RequestPlan) -> None:
         for entry in plan.held:
             self.pool.release(entry)
@@ -154,9 +164,18 @@ class ContextPlanner:
         begin = seg.bounds[0 if chunk is None else 1 + chunk][0]
         plan.units.append(UnitCopy(tuple(entry.block_ids), offset, lo, hi, begin, kind, entry.epoch))
 
+    def _identity(self, seg, salt, mode, chunk: int | None) -> tuple[bytes, tuple[int, ...]]:
+        """(key, tokens) of the sys prompt's entry (``chunk`` None) or of chunk ``chunk``'s: isolated,
+        ``sys ‖ chunk``; blend, the chunk alone."""
+        if chunk is None:
+            return sys_key(self.space, seg.sys_tokens, salt, mode), tuple(seg.sys_tokens)
+        sys_tokens = tuple(seg.sys_tokens) if mode == "isolated" else ()
+        chunk_tokens = tuple(seg.chunk_tokens(chunk))
+        return chunk_key(self.space, sys_tokens, chunk_tokens, salt, mode), sys_tokens + chunk_tokens
+
     def _acquire_sys(self, seg, salt, mode, plan: RequestPlan) -> PoolEntry:
-        key = sys_key(self.space, seg.sys_tokens, salt, mode)
-        entry = self._lookup(key, seg.sys_tokens, plan)
+        key, tokens = self._identity(seg, salt, mode, None)
+        entry = self._lookup(key, tokens, plan)
         if entry is None:
             entry = self._insert(key, seg.sys_tokens, seg.layout.sys_len, plan)
             self._add_job(plan, entry, seg.sys_tokens, entry.block_ids, 0, mode, [entry], counted=False)
@@ -171,9 +190,8 @@ class ContextPlanner:
         chunk = seg.chunk_tokens(i)
         sys_tokens = seg.sys_tokens if mode == "isolated" else ()
         offset = len(sys_tokens) % self.block_size
-        tokens = sys_tokens + chunk
         start = time.perf_counter()
-        key = chunk_key(self.space, sys_tokens, chunk, salt, mode)
+        key, tokens = self._identity(seg, salt, mode, i)
         entry = self._lookup(key, tokens, plan)
         plan.counts.append(("lookup_seconds", time.perf_counter() - start, mode))
         outcome = "hits" if entry is not None else "misses"  # an entry in flight is computed once

@@ -87,6 +87,12 @@ class ChunkPool:
         self.acquire(entry)
         return entry
 
+    def contains(self, key: bytes, tokens: tuple[int, ...]) -> bool:
+        """Whether a ready or in-flight entry for ``key`` with these tokens exists (nothing acquired,
+        no hit recorded)."""
+        entry = self._index.get(key)
+        return entry is not None and entry.tokens == tokens
+
     def insert(self, key: bytes, tokens: tuple[int, ...], num_tokens: int, cost: float | None = None) -> PoolEntry:
         """A new entry with room for ``num_tokens``, acquired once, not yet ready. ``cost``: what a
         miss on it costs, in tokens recomputed (default ``num_tokens``); the gdsf policy weighs it."""

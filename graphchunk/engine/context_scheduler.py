@@ -18,6 +18,10 @@ Per segmented request (``ChunkRequest``, read once from what graphchunk's fronte
               ``recompute_budget`` tokens: one is always admitted. Blend requests holding a plan
               not yet filled (waiting for their misses or for that budget) are the gauge
               ``blend_requests_pending``; each put-off, ``blend_recompute_deferrals``.
+              A blend request whose misses and recompute would cost at least its full prefill
+              (``blend_misses``: ``prefill_instead``) answers 0: vLLM computes its full prefill,
+              exactly blend's target; its missing entries are planned once the step's metadata is
+              built (``metadata``), so their jobs run from the next step on, after the prefill.
 ``allocated`` (vLLM allocated its blocks) turns the plan into a load: a fill this step (hits), or
               a load the workers complete by themselves once its jobs have run (isolated misses).
 ``metadata``  (vLLM builds the step's metadata) sends the step's new jobs, fills and loads and
@@ -154,6 +158,8 @@ class _Request:
     """Loads asynchronously: its workers fill it once its jobs have run."""
     refused: str | None = None
     """Why its context cannot be loaded (it never fits the pool)."""
+    prefilled: bool = False
+    """A blend request run as vLLM's full prefill (``ContextScheduler.prefill_instead``)."""
 
 
 class ContextScheduler:
@@ -177,6 +183,8 @@ class ContextScheduler:
         """Plans of this step's fills: held until its metadata is built (module docstring)."""
         self._done_before = 0
         """The workers' first unfinished job, as last reported."""
+        self._for_later: list[ChunkRequest] = []
+        """Requests run as full prefills this step, whose missing entries are planned after it."""
         self._recompute_tokens = 0
         """Blend recompute admitted into this step (``RecomputePolicy.cost``)."""
         self.publish()
@@ -187,7 +195,7 @@ class ContextScheduler:
 
     def matched(self, req_id: str, token_ids, extra_args: dict, num_computed: int) -> tuple[int | None, bool]:
         state = self._request(req_id, token_ids, extra_args)
-        if num_computed >= state.context_len:
+        if num_computed >= state.context_len or state.prefilled:
             self._drop_plan(state)
             return 0, False
         if state.refused is not None:
@@ -196,6 +204,11 @@ class ContextScheduler:
         if state.plan is None or state.start != num_computed:
             self._drop_plan(state)
             request = state.chunked
+            if self.prefill_instead(request, num_computed, state.context_len):
+                state.prefilled = True
+                self.metrics.blend_full_prefills += 1
+                self._for_later.append(request)
+                return 0, False
             try:
                 plan = self.planner.plan(request.seg, request.salt, "isolated" if request.policy is None else "blend",
                                          num_computed, state.context_len)
@@ -257,7 +270,37 @@ class ContextScheduler:
         for plan in self._sent:
             self.planner.release(plan)
         self._sent = []
+        for request in self._for_later:  # jobs of the next step: they run after this step's prefill
+            self._compute_for_later(request)
+        self._for_later = []
         return work
+
+    def prefill_instead(self, request: ChunkRequest, start: int, end: int) -> bool:
+        """Whether a blend request's context ``[start, end)`` runs as vLLM's full prefill
+        (``blend_misses``): its missing entries and its recompute cost at least the range itself.
+        Only for policies that rank the context (cacheblend, question at a ratio strictly between
+        0 and 1): vLLM's prefix cache never shares their KV between requests (their salt carries a
+        nonce: ``frontend.blend_salt``), so no blended request is handed this exact KV as blend
+        KV. (Recomputing every token blends exactly: that path stays the exactness suite's.)"""
+        policy = request.policy
+        if policy is None or not policy.needs_check or self.config.blend_misses != "prefill" or \
+                self.config.store_path:
+            return False
+        lay = request.seg.layout
+        missing = self.planner.missing_tokens(request.seg, request.salt, "blend", start, end)
+        return missing > 0 and missing + policy.cost(lay.chunk_lens, lay.question_len) >= end - start
+
+    def _compute_for_later(self, request: ChunkRequest) -> None:
+        """Jobs for the entries a full-prefilled blend request lacked, its lookups counted; nothing
+        is copied from them for it."""
+        try:
+            plan = self.planner.plan(request.seg, request.salt, "blend", 0, request.seg.layout.context_len)
+        except PoolExhausted as exc:
+            logger.debug("graphchunk: no pool room to keep a full-prefilled request's chunks: %s", exc)
+            return
+        self._jobs += plan.jobs
+        self._counts += [count for count in plan.counts if count[0] not in ("tokens_reused", "reused")]
+        self.planner.release(plan)
 
     def publish(self) -> None:
         """Audits the pool and publishes its metrics (``POOL_FIELDS``) for /metrics and ``GraphChunkLLM.stats``."""
