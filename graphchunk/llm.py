@@ -149,7 +149,7 @@ class GraphChunkLLM:
                              **_mode_args(mode=mode, recompute=recompute, recompute_ratio=recompute_ratio,
                                           recompute_tokens=recompute_tokens, recompute_sinks=recompute_sinks,
                                           recompute_spread=recompute_spread, recompute_layers=recompute_layers,
-                               key_temperature=key_temperature)}
+                                          key_temperature=key_temperature)}
         kwargs = dict(chat_template_kwargs or {})
         if documents is not None:
             kwargs["documents"] = documents

@@ -88,6 +88,8 @@ def settings_of(kind: str) -> dict | None:
     if setting is None or not setting.blend:
         raise ValueError(f"unknown kind {kind!r}; known: {', '.join(KINDS)}, blend:POLICY (e.g. blend:question:0.15@2)")
     return {key.removeprefix("graphchunk_"): value for key, value in setting.extra.items()}
+
+
 COUNTERS = ("graphchunk_lookups_total", "graphchunk_hits_total", "graphchunk_misses_total",
             "graphchunk_tier_hits_total", "graphchunk_evictions_total", "graphchunk_tokens_reused_total",
             "graphchunk_tokens_computed_total", "graphchunk_blend_tokens_recomputed_total",

@@ -183,7 +183,7 @@ def rows(args, res) -> list[dict]:
     full_prefill_ms = H.percentile(np.asarray(vanilla["ttft"]) * 1e3, 50)
     out = [row_of(s, res["per"][s.label], vanilla_em, full_prefill_ms, res["broken"].get(s.label))
            for s in args.settings]
-    if getattr(args, "baseline", None):
+    if args.baseline:
         paired(out, args.baseline)
     return out
 
@@ -217,12 +217,12 @@ def print_table(result_rows: list[dict]) -> None:
         if not row["n_prompts"] or row["ttft_ms_all_hit"] is None:
             print(f"{row['label']:>18}  no result: {row['failed']}")
             continue
-        paired_kl = row.get("vs_baseline")
+        pair = row.get("vs_baseline")
         print(f"{row['label']:>18} {_ci(row, 'kl', '8.3g'):>29} {_ci(row, 'kl_first', '8.3g'):>29} "
               f"{_ci(row, 'top1_agreement', '.3f'):>19} {_ci(row, 'exact_match', '.2f'):>18} "
               f"{row['ttft_ms_all_hit']:>16.1f} {row['ttft_all_hit_over_full_prefill'] or 0:>7.2f}"
-              + (f"   vs {paired_kl['baseline']}: KL {_ci(paired_kl, 'kl_delta', '+.3g')}, "
-                 f"exact match {_ci(paired_kl, 'exact_match_delta', '+.2f')}" if paired_kl else "")
+              + (f"   vs {pair['baseline']}: KL {_ci(pair, 'kl_delta', '+.3g')}, "
+                 f"exact match {_ci(pair, 'exact_match_delta', '+.2f')}" if pair else "")
               + ("  (FAILED later)" if row["failed"] else ""))
 
 

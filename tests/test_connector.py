@@ -261,10 +261,10 @@ def test_a_blend_request_with_misses_waits_unallocated_then_loads_in_the_step_th
     request is scheduled: a blend request with misses is not loaded asynchronously. It waits, its
     jobs sent, without blocks; once they have run it loads synchronously (fill and recompute before
     the forward of the step that schedules it)."""
+    import dataclasses
+
     from vllm import SamplingParams
     from vllm.v1.request import Request, RequestStatus
-
-    import dataclasses
 
     scheduler, hasher = make_scheduler()
     context = scheduler.connector._context()

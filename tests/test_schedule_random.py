@@ -117,6 +117,13 @@ def expected(request, t: int) -> set:
     raise AssertionError(f"token {t} is not context")
 
 
+def computed_tokens(so) -> dict[str, int]:
+    """Each scheduled request's computed tokens as the step starts (vLLM's SchedulerOutput)."""
+    computed = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
+    computed.update(zip(so.scheduled_cached_reqs.req_ids, so.scheduled_cached_reqs.num_computed_tokens))
+    return computed
+
+
 class Workers:
     """Two tensor-parallel ranks of graphchunk's worker engine, each over its own fake device."""
 
@@ -166,8 +173,7 @@ class Workers:
         for req_id in report:
             self.loaded.pop(req_id, None)
         req_ids = list(so.num_scheduled_tokens)
-        computed = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
-        computed.update(zip(so.scheduled_cached_reqs.req_ids, so.scheduled_cached_reqs.num_computed_tokens))
+        computed = computed_tokens(so)
         prompt_done = [computed[r] + so.num_scheduled_tokens[r] >= scheduler.requests[r].num_prompt_tokens
                        for r in req_ids]  # vLLM's runner samples nothing for a partial prefill
         return ModelRunnerOutput(
@@ -187,8 +193,7 @@ class Workers:
     def forward(self, engine, so, scheduler):
         """vLLM's own forward: the scheduled tokens' KV, after the fills; never a segmented request's
         context, unless the scheduler's connector chose to run it as a full prefill (blend)."""
-        computed = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
-        computed.update(zip(so.scheduled_cached_reqs.req_ids, so.scheduled_cached_reqs.num_computed_tokens))
+        computed = computed_tokens(so)
         context = scheduler.connector._context()
         for req_id, n in so.num_scheduled_tokens.items():
             request = scheduler.requests[req_id]

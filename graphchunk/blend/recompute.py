@@ -18,8 +18,8 @@ before them. Policies:
                 or, with ``layers`` k, only the first k (A3's and InfoFlow's early-layer pick: a
                 scoring pass ~k/L of the full one), and the ``ratio`` share of chunk tokens it
                 attends to most (softmax probability summed over its tokens, heads and those
-                layers) is recomputed through all layers. The question must be scheduled in the same step as the chunk
-                tokens it ranks; a step of chunked prefill that fills context without its question
+                layers) is recomputed through all layers. The question must be scheduled in the
+                same step as the chunk tokens it ranks; a step of chunked prefill that fills context without its question
                 (or a question longer than a forward's budget, or one whose blocks vLLM has not
                 all allocated yet: vLLM scheduled only part of it) ranks by CacheBlend's deviation
                 instead, counted in ``blend_question_fallbacks``.
@@ -214,13 +214,13 @@ def _ask(prompts, asked, device, budget: int, metrics) -> dict[int, np.ndarray]:
         seqs = [_seq(prompts[n], prompts[n].seg.layout.context_len, prompts[n].seg.layout.num_tokens)
                 for n, _ in group]
         scores, batch, used = [], [], 0
-        for seq in seqs + [None]:
-            if batch and (seq is None or used + seq.num_new > budget):
+        for seq in seqs:
+            if batch and used + seq.num_new > budget:
                 scores += device.context_attention(batch, num_layers=depth or None)
                 batch, used = [], 0
-            if seq is not None:
-                batch.append(seq)
-                used += seq.num_new
+            batch.append(seq)
+            used += seq.num_new
+        scores += device.context_attention(batch, num_layers=depth or None)
         metrics.blend_tokens_scored += sum(seq.num_new for seq in seqs)
         picks.update({n: _select(prompts[n], candidates, scores[i][candidates].cpu().numpy())
                       for i, (n, candidates) in enumerate(group)})

@@ -227,7 +227,7 @@ class ContextScheduler:
         if load_async and state.chunked.policy is not None:
             return None, False  # blend: loaded synchronously once its jobs have run (module docstring)
         if not load_async and self._recompute_tokens and \
-                self._recompute_tokens + self._recompute_cost(state) > self.config.recompute_budget:
+                self._recompute_tokens + self._recompute_cost(state.chunked) > self.config.recompute_budget:
             self.metrics.blend_recompute_deferrals += 1
             return None, False  # this step's blend recompute is full: next step
         return state.context_len - num_computed, load_async
@@ -255,7 +255,7 @@ class ContextScheduler:
                            tuple(plan.units), plan.needs)
         if plan.needs < self._done_before:
             self._fills.append(load)
-            self._recompute_tokens += self._recompute_cost(state)
+            self._recompute_tokens += self._recompute_cost(state.chunked)
             self._sent.append(state.plan)  # released once the step's metadata is built, not before
             state.plan = None
         else:
@@ -286,9 +286,8 @@ class ContextScheduler:
         if policy is None or not policy.needs_check or self.config.blend_misses != "prefill" or \
                 self.config.store_path:
             return False
-        lay = request.seg.layout
         missing = self.planner.missing_tokens(request.seg, request.salt, "blend", start, end)
-        return missing > 0 and missing + policy.cost(lay.chunk_lens, lay.question_len) >= end - start
+        return missing > 0 and missing + self._recompute_cost(request) >= end - start
 
     def _compute_for_later(self, request: ChunkRequest) -> None:
         """Jobs for the entries a full-prefilled blend request lacked, its lookups counted; nothing
@@ -361,8 +360,8 @@ class ContextScheduler:
         return state
 
     @staticmethod
-    def _recompute_cost(state: _Request) -> int:
-        policy, lay = state.chunked.policy, state.chunked.seg.layout
+    def _recompute_cost(request: ChunkRequest) -> int:
+        policy, lay = request.policy, request.seg.layout
         return policy.cost(lay.chunk_lens, lay.question_len) if policy is not None else 0
 
     def _drop_plan(self, state: _Request) -> None:

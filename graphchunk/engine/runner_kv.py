@@ -16,8 +16,8 @@ its compiled call): it traces and captures nothing and replays no graph. Full-de
 the compiled graph.
 
 The question-aware recompute policy's scoring pass (``context_attention``) runs the question
-through vLLM's plain forward too (its first layers only, for a policy with ``layers``), with a pre-hook on each attention layer recording its queries
-(hooks do not run inside a compiled graph); its attention to the context is then computed from
+through vLLM's plain forward too (its first layers only, for a policy with ``layers``), with a
+pre-hook on each attention layer recording its queries (hooks do not run inside a compiled graph); its attention to the context is then computed from
 those queries and the keys in the cache, as the layer's softmax would (scale, grouped heads).
 
 KV copies, key reads and the tier's block reads and writes go to ``KVCopier`` (``cache/kv_slots.py``),
