@@ -18,6 +18,7 @@ MODE_SETTINGS = ("auto", *MODES)
 """The deployment's default mode: a request's mode, or 'auto' (``GraphChunkConfig.default_mode``)."""
 DOCUMENTS_FALLBACKS = ("refuse", "ordinary")
 BLEND_MISSES = ("prefill", "blend")
+BLEND_ENTRIES = ("alone", "context")
 
 
 class ConfigError(ValueError):
@@ -111,6 +112,15 @@ class GraphChunkConfig:
     wait for its misses and blends it like any other. Applies to the policies whose KV vLLM's
     prefix cache never shares between requests (question and cacheblend at a ratio strictly
     between 0 and 1); not with ``store_path``, whose tier may serve a miss for the price of a copy."""
+    blend_entries: str = "alone"
+    """Where the pool entries of chunks a full-prefilled blend request (``blend_misses`` 'prefill')
+    lacked come from: 'alone' (each chunk computed alone at [0, L), DESIGN.md §2, from the next step
+    on) or 'context' (taken from that full prefill itself, after its forward: each chunk's KV as it
+    was computed there, attending to the system prompt and documents before it, keys rotated back
+    to [0, L); FusionRAG's contextualized chunk KV, online). 'context' costs no chunk forward at
+    all and, measured on the oracle, blended requests over such entries answer closer to full
+    prefill (docs/quality.md); but an entry then depends on the request that first brought its
+    chunk, not on the chunk alone."""
     documents_fallback: str = "refuse"
     """A documents request graphchunk cannot chunk (a template that puts the documents after the
     question or hides them, a renderer without an HF template, more than ``max_chunks`` documents,
@@ -146,6 +156,8 @@ class GraphChunkConfig:
                               "set graphchunk.store_path too")
         if self.mode not in MODE_SETTINGS:
             raise ConfigError(f"graphchunk.mode must be one of {MODE_SETTINGS}, got {self.mode!r}")
+        if self.blend_entries not in BLEND_ENTRIES:
+            raise ConfigError(f"graphchunk.blend_entries must be one of {BLEND_ENTRIES}, got {self.blend_entries!r}")
         if self.blend_misses not in BLEND_MISSES:
             raise ConfigError(f"graphchunk.blend_misses must be one of {BLEND_MISSES}, got {self.blend_misses!r}")
         if self.documents_fallback not in DOCUMENTS_FALLBACKS:
@@ -203,4 +215,4 @@ _TYPES = {"separator": str, "max_chunks": int, "max_chunk_len": int, "pool_token
           "recompute_sinks": int, "recompute_spread": str, "recompute_layers": int,
           "check_layer": int, "store_path": str, "store_bytes": int,
           "host_bytes": int, "documents_fallback": str, "miss_budget": int,
-          "recompute_budget": int, "blend_misses": str}
+          "recompute_budget": int, "blend_misses": str, "blend_entries": str}

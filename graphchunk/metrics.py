@@ -111,6 +111,8 @@ class CacheMetrics:
                                          "misses to be computed or for a step's recompute budget")
     blend_full_prefills: int = _counter("Blend-mode requests run as vLLM's full prefill because their chunk misses and "
                                         "recompute would cost at least as much (blend_misses='prefill')")
+    blend_entries_captured: int = _counter("Blend pool entries filled from the full prefill that first carried their chunk "
+                                           "(blend_entries='context') instead of computed alone")
     blend_recompute_deferrals: int = _counter("Times an all-hit blend-mode request was put off to a later step "
                                               "because the step's recompute budget was spent")
     pool_blocks_leaked: int = _gauge("Pool blocks used but owned by no indexed entry (0 unless something leaked)")

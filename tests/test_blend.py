@@ -311,3 +311,32 @@ def test_worker_runs_blend_as_full_prefill_where_it_cannot_blend():
     assert registered(no_check, {**args, "graphchunk_recompute": "legolink"}) is not None
     no_rotation = BlendSupport(None, "no rotary embedding", "no layer range")
     assert registered(no_rotation, {**args, "graphchunk_recompute": "legolink"}) is None
+
+
+def test_a_capture_fills_entries_from_a_prefilled_request_out_of_the_jobs_order():
+    """``EntryCapture`` (blend_entries 'context'), after the forward of the step that prefilled the
+    request: each segment's KV as that prefill computed it (the chunk attended to everything before
+    it) lands in its entry with its keys moved back by where it sat (the fake's position). Captures
+    run whole in their step, out of the jobs' order: ``done_before`` stays at a queued job that has
+    not run yet, and passes every id once it has."""
+    from graphchunk.cache.context_plan import EntryCapture, MissJob
+    from graphchunk.cache.context_run import ContextRunner
+
+    seg = make_prompt(3, [6, 5])  # sys [0, 3), chunks [3, 9) and [9, 14), question [14, 16)
+    device, blocks = BlendDevice(), request_blocks(0, seg)
+    for t in range(seg.layout.num_tokens):  # vLLM's full prefill of the request
+        device.kv[device.slot(blocks, t)] = fresh_kv(seg, t)
+    runner = ContextRunner(BS, 1000, CacheMetrics())
+    job = MissJob(0, (7, 8), (900,), 0, (900,), b"k", (7, 8), 2, "blend")
+    runner.add_jobs([job])
+    runner.run_jobs(device, budget=0)
+    entries = {1: (2000, 2001), 2: (2002, 2003)}
+    runner.capture([EntryCapture(1, "r", 3, 9, entries[1], 5), EntryCapture(2, "r", 9, 14, entries[2], 6)], device,
+                   {"r": blocks}.__getitem__)
+    for (lo, hi), entry in zip([(3, 9), (9, 14)], entries.values()):
+        assert [device.kv[device.slot(entry, j)] for j in range(hi - lo)] == \
+            [(fresh_kv(seg, lo + j)[0], j) for j in range(hi - lo)]
+    assert runner.metrics.blend_entries_captured == 2 and runner.epochs[2002] == 6
+    assert runner.done_before == 0  # job 0 is queued, not run
+    runner.run_jobs(device)
+    assert runner.done_before == 3

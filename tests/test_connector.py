@@ -324,6 +324,49 @@ def test_a_blend_request_whose_misses_cost_more_than_its_prefill_is_prefilled_by
     assert context.metrics.blend_full_prefills == 1
 
 
+def test_blend_entries_context_captures_a_full_prefill_s_segments_in_the_step_completing_its_context(make_scheduler):
+    """blend_entries 'context': the full-prefilled request of the test above sends no jobs; the
+    step whose tokens complete its context (the third of vLLM's 64-token chunks) carries a capture
+    of each segment it lacked, job ids from the jobs' sequence, for the workers to run after that
+    step's forward. Its entries are ready once the workers report past them: a later request over
+    the same documents is all hits, filled from them. A request aborted before its context is
+    complete captures nothing and holds nothing."""
+    import dataclasses
+
+    from vllm import SamplingParams
+    from vllm.v1.request import Request, RequestStatus
+
+    scheduler, hasher = make_scheduler()
+    context = scheduler.connector._context()
+    context.config = dataclasses.replace(context.config, blend_entries="context")
+
+    def blend(req_id, tokens, boundaries):
+        params = SamplingParams(max_tokens=8, extra_args={BOUNDARIES_ARG: boundaries, "graphchunk_mode": "blend"})
+        return Request(req_id, tokens, params, None, block_hasher=hasher)
+
+    scheduler.add_request(blend("x", list(range(7000, 7040)) + C2 + Q, [40, 170]))
+    step(scheduler, done_before=0)
+    scheduler.finish_requests("x", RequestStatus.FINISHED_ABORTED)
+    scheduler.add_request(blend("p", SYS + C1 + Q, [40, 150]))
+    for tokens in (64, 64):
+        so, work = step(scheduler, done_before=0)
+        assert so.num_scheduled_tokens == {"p": tokens} and not (work.jobs or work.captures or work.fills)
+    so, work = step(scheduler, done_before=2)  # the workers ran the step's captures after its forward
+    captures = work.captures
+    assert so.num_scheduled_tokens == {"p": 44} and not work.jobs  # the rest, and a token per step these workers sampled
+    assert [(c.job_id, c.req_id, c.lo, c.hi, len(c.entry_blocks)) for c in captures] == \
+        [(0, "p", 0, 40, 2), (1, "p", 40, 150, 4)]
+    assert [c[:2] for c in work.counts if c[0] != "lookup_seconds"] == [("lookups", 1), ("misses", 1)]
+    assert context.metrics.blend_full_prefills == 2 and context.metrics.pool_refs_held == 0
+    while scheduler.has_unfinished_requests():
+        step(scheduler, done_before=2)
+    scheduler.add_request(blend("q", SYS + C1 + list(range(5000, 5020)), [40, 150]))
+    so, work = step(scheduler, done_before=2)
+    assert so.num_scheduled_tokens == {"q": 20} and [f.req_id for f in work.fills] == ["q"]
+    unit = work.fills[0].units[-1]  # (vLLM's prefix cache holds the prompt's first blocks: no salt here)
+    assert (unit.entry_blocks, unit.epoch, unit.kind) == (captures[1].entry_blocks, captures[1].epoch, "rotated")
+
+
 def test_a_step_admits_all_hit_blend_requests_up_to_the_recompute_budget(make_scheduler):
     """Blend's recompute runs as graphchunk's own forwards, which vLLM's token budget does not see:
     a step admits all-hit blend requests until their recompute (``RecomputePolicy.cost``: 30 % of

@@ -122,6 +122,8 @@ def test_rotation_matches_vllm_forward(rope_parameters, is_neox_style, vllm_conf
         return rope.forward_native(pos, key.clone(), key.clone())[1].view(n, heads, 64)
 
     moved = rotation.rotate(at(positions), deltas)
+    # Backwards too (a chunk's keys taken from where a full prefill computed them, moved towards 0).
+    torch.testing.assert_close(rotation.rotate(at(positions + deltas), -deltas), at(positions), rtol=0, atol=5e-3)
     # Measured max abs difference 1.5e-4..5.0e-4 (keys ~N(0, 1); positions up to 4000, fp32 angle rounding).
     atol = 5e-3
     torch.testing.assert_close(moved, at(positions + deltas), rtol=0, atol=atol)
@@ -149,10 +151,12 @@ def test_refuses_model_without_rope():
         KeyRotation.from_model(torch.nn.Sequential(torch.nn.Embedding(10, 8), torch.nn.Linear(8, 8)))
 
 
-def test_refuses_negative_and_too_large_deltas(vllm_config):
+def test_refuses_deltas_past_the_rotary_cache(vllm_config):
     rotation = KeyRotation.from_module(vllm_rope(64, 256, {"rope_type": "default", "rope_theta": 10000.0}))
     k = torch.randn(2, 1, 64)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="256 positions"):
         rotation.rotate(k, torch.tensor([0, 256]))
-    with pytest.raises(ValueError):
-        rotation.rotate(k, torch.tensor([0, -1]))
+    with pytest.raises(ValueError, match="256 positions"):
+        rotation.rotate(k, torch.tensor([0, -256]))
+    torch.testing.assert_close(rotation.rotate(rotation.rotate(k, torch.tensor([255, 3])), torch.tensor([-255, -3])), k,
+                               rtol=0, atol=1e-5)

@@ -75,15 +75,16 @@ class KeyRotation:
         return first
 
     def rotate(self, k: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
-        """``k`` [..., n, heads, head_size] rotated by ``deltas`` [n] (int64) positions; same dtype."""
-        if deltas.numel() and int(deltas.max()) > self.max_delta:
-            raise ValueError(f"cannot rotate by {int(deltas.max())} positions: the rotary cache has "
+        """``k`` [..., n, heads, head_size] rotated by ``deltas`` [n] (int64) positions, back towards
+        0 where negative (a chunk's keys taken from where a full prefill computed them); same dtype."""
+        if deltas.numel() and int(deltas.abs().max()) > self.max_delta:
+            raise ValueError(f"cannot rotate by {int(deltas.abs().max())} positions: the rotary cache has "
                              f"{self.max_delta + 1}")
-        if deltas.numel() and int(deltas.min()) < 0:  # would index the table from its end: a wrong angle
-            raise ValueError(f"cannot rotate by {int(deltas.min())} positions: deltas must be >= 0")
         half = self.rotary_dim // 2
-        table = self.cos_sin.to(k.device)[deltas.to(k.device)]  # [n, rotary_dim]
-        cos, sin = table[:, None, :half], table[:, None, half:]  # [n, 1, half]: broadcast over heads
+        deltas = deltas.to(k.device)
+        table = self.cos_sin.to(k.device)[deltas.abs()]  # [n, rotary_dim]
+        # R(-d) = R(d)^-1: the same cosine, the sine negated (indexing the table by -d would read its end).
+        cos, sin = table[:, None, :half], table[:, None, half:] * deltas.sign()[:, None, None]  # [n, 1, half]
         x = k.float()
         rot = x[..., : self.rotary_dim]
         if self.is_neox_style:

@@ -79,6 +79,22 @@ class MissJob:
     """Other entries' blocks the job reads, with their epochs (an isolated chunk's sys entry)."""
 
 
+@dataclass(frozen=True)
+class EntryCapture:
+    """Fills a new blend entry from a request vLLM has just computed as a full prefill, after that
+    step's forward: the request's tokens ``[lo, hi)`` (one chunk, computed in the context that preceded
+    it there) from its own slots into ``entry_blocks``, keys rotated back by ``lo`` to [0, hi - lo).
+    Runs in the step it is sent with; its ``job_id`` comes from the jobs' sequence (the entry is
+    ready once the workers report past it)."""
+
+    job_id: int
+    req_id: str
+    lo: int
+    hi: int
+    entry_blocks: tuple[int, ...]
+    epoch: int
+
+
 @dataclass
 class _Job:
     """A job the workers have not reported run: its entry, and the entries it holds."""
@@ -91,6 +107,8 @@ class RequestPlan:
     units: list[UnitCopy] = field(default_factory=list)
     jobs: list[MissJob] = field(default_factory=list)
     """Jobs this plan created (others' jobs it waits for are not repeated)."""
+    captures: list[EntryCapture] = field(default_factory=list)
+    """Entries this plan fills from its request's own slots (``ContextPlanner.capture``)."""
     needs: int = -1
     """The last job id it waits for; -1: every entry is ready."""
     held: list[PoolEntry] = field(default_factory=list)
@@ -134,6 +152,33 @@ class ContextPlanner:
             if lo < hi and not self.pool.contains(*self._identity(seg, salt, mode, None if index == 0 else index - 1)):
                 missing += hi - lo
         return missing
+
+    def capture(self, seg: SegmentedPrompt, salt: str | None, req_id: str) -> RequestPlan:
+        """A plan for the sys prompt and chunks of blend request ``req_id``, which vLLM computes as a
+        full prefill in the step this plan is sent with: a segment whose entry the pool holds neither
+        ready nor in flight gets a new entry filled from the request's own slots (``EntryCapture``)
+        instead of a job computing it (a chunk alone). Chunk lookups counted; nothing is copied into
+        the request. A pool too full for an entry leaves that segment and the rest uncaptured."""
+        plan = RequestPlan()
+        for index, (lo, hi) in enumerate(seg.bounds[:-1]):
+            chunk = None if index == 0 else index - 1
+            if lo == hi:
+                continue
+            key, tokens = self._identity(seg, salt, "blend", chunk)
+            hit = self.pool.contains(key, tokens)
+            if not hit:
+                try:
+                    entry = self._insert(key, tokens, len(tokens), plan)
+                except PoolExhausted:
+                    break
+                self.pool.acquire(entry)  # the capture's own reference, released once it is reported run
+                entry.job_id = self._next_job
+                self._running[entry.job_id] = _Job(entry, [entry])
+                plan.captures.append(EntryCapture(self._next_job, req_id, lo, hi, tuple(entry.block_ids), entry.epoch))
+                self._next_job += 1
+            if chunk is not None:
+                plan.counts += [("lookups", 1, "blend"), ("hits" if hit else "misses", 1, "blend")]
+        return plan
 
     def release(self, plan: RequestPlan) -> None:
         for entry in plan.held:

@@ -8,6 +8,11 @@ looked up in the persistent tier (``store.py``): a file there is loaded into the
 instead of computed, and a computed entry is written through. ``done_before`` is the first job
 id not yet finished: the plans' scheduler learns it after each step.
 
+``capture`` fills new blend entries from a request vLLM computed as a full prefill, after the
+forward of the step that computed it (``EntryCapture``: each chunk's KV as that prefill computed
+it, in the context before it there, keys rotated back to [0, L)); it runs whole in its step, out
+of the jobs' order, so ``done_before`` is the first queued job's id, or past every id seen.
+
 ``fill`` copies the context of requests whose jobs have all run from the pool into their own
 slots (chunk keys divided by the request's key temperature when it is not 1; blend chunks'
 keys rotated to where they land), then gives the tokens each blend request's recompute policy
@@ -33,7 +38,7 @@ from typing import Sequence
 import numpy as np
 
 from graphchunk.blend.recompute import recompute
-from graphchunk.cache.context_plan import MissJob, UnitCopy
+from graphchunk.cache.context_plan import EntryCapture, MissJob, UnitCopy
 from graphchunk.cache.store import ChunkStore
 from graphchunk.device import KVDevice, PseudoSeq, slots_of
 from graphchunk.log import logger
@@ -60,7 +65,9 @@ class ContextRunner:
         self.metrics, self.check_layer, self.tier = metrics, check_layer, tier
         self._queue: deque[_Progress] = deque()
         self.done_before = 0
-        """Every job with a smaller id has run."""
+        """Every job (and capture) with a smaller id has run."""
+        self._next_id = 0
+        """Past every job and capture id received."""
         self._reused: dict[int, int] = {}
         """Per queued job: context tokens plans will copy from its entry."""
         self.epochs: dict[int, int] = {}
@@ -76,6 +83,7 @@ class ContextRunner:
         for job in jobs:
             self._queue.append(_Progress(job, job.num_cached))
             self._reused[job.job_id] = 0
+            self._next_id = max(self._next_id, job.job_id + 1)
 
     def count(self, counts) -> None:
         """Adds a plan's counts (``RequestPlan.counts``, its jobs added first) to the metrics."""
@@ -144,7 +152,27 @@ class ContextRunner:
             self.metrics.count("tokens_reused", reused, job.mode)
         if self.tier is not None and not progress.loaded and self._holds(job.entry_blocks, job.epoch):
             self.tier.save(job.key, job.entry_tokens, job.num_tokens, job.mode, device.read_blocks(job.entry_blocks))
-        self.done_before = job.job_id + 1
+        self._advance()
+
+    def _advance(self) -> None:
+        self.done_before = self._queue[0].job.job_id if self._queue else self._next_id
+
+    def capture(self, captures: Sequence[EntryCapture], device: KVDevice, blocks_of) -> None:
+        """Runs the step's captures, after its forward: ``blocks_of(req_id)``, the request's block ids."""
+        if not captures:
+            return
+        parts = []
+        for capture in captures:
+            for block in capture.entry_blocks:
+                self.epochs[block] = capture.epoch
+            n = capture.hi - capture.lo
+            parts.append((slots_of(blocks_of(capture.req_id), np.arange(capture.lo, capture.hi), self.block_size),
+                          slots_of(capture.entry_blocks, np.arange(n), self.block_size),
+                          np.full(n, -capture.lo, np.int64)))
+            self._next_id = max(self._next_id, capture.job_id + 1)
+        device.copy_slots_rotated(*(np.concatenate(part) for part in zip(*parts)))
+        self.metrics.blend_entries_captured += len(captures)
+        self._advance()
 
     def _stamp(self, job: MissJob) -> None:
         """Marks the job's entry blocks as its entry's, before anything writes them; poisoned when

@@ -233,6 +233,8 @@ def _entries() -> tuple[Name, ...]:
           "as the runner builds it for a step", ("num_tokens_unpadded", "num_tokens_padded")))
     for attr in ("req_id_to_index", "num_computed_tokens_cpu"):
         add(n(IB, f"InputBatch.{attr}", "attribute", CE, RUNNER_STATE + ": the prepared batch"))
+    add(n(IB, "CachedRequestState.block_ids", "field", RKV, RUNNER_STATE + ": a request's block ids per KV-cache "
+          "group (``GPUModelRunner.requests``' values), where a captured blend entry is copied from"))
     add(n("vllm.v1.utils", "CpuGpuBuffer.np", "attribute", MR, RUNNER_STATE))
     add(n(FC, "BatchDescriptor.num_tokens", "attribute", MR, "the padded token count of a step "
           "(_determine_batch_execution_and_padding's result)"))

@@ -13,7 +13,9 @@ and the segmented requests the worker holds. vLLM's hooks call it in step order:
                       jobs, fills, asynchronous loads), computes misses up to the step's budget
                       (``graphchunk.miss_budget``), fills the asynchronous loads whose jobs have
                       all run (reported loaded to vLLM through the connector), plans the step
-                      (``step_plan.py``) and holds the plan while vLLM runs the step;
+                      (``step_plan.py``) and holds the plan while vLLM runs the step; after its
+                      forward, fills the step's captured blend entries from the requests vLLM
+                      has just prefilled (``ContextRunner.capture``);
 ``fill_context``      (``_prepare_inputs``, after vLLM updated and zeroed its blocks) fills the
                       context of this step's all-hit requests from the chunk pool; a fill that fails
                       its check, or that the scheduler refused, leaves the request's blocks in
@@ -91,6 +93,9 @@ class ChunkEngine:
             yield self.plan
         finally:
             self.plan = None
+        if work.captures:  # vLLM's forward of the step has written the requests' KV
+            with torch.inference_mode():
+                self.runner.capture(work.captures, self.kv, self.kv.request_blocks)
         self.publish()
 
     def _register(self, new_req) -> None:

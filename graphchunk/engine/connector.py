@@ -105,7 +105,7 @@ class GraphChunkConnector(KVConnectorBase_V1):
         self._context().allocated(request.request_id, block_ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output) -> GraphChunkMetadata:
-        return GraphChunkMetadata(self._context().metadata())
+        return GraphChunkMetadata(self._context().metadata(scheduler_output))
 
     def update_connector_output(self, connector_output) -> None:
         meta = connector_output.kv_connector_worker_meta

@@ -21,7 +21,9 @@ Per segmented request (``ChunkRequest``, read once from what graphchunk's fronte
               A blend request whose misses and recompute would cost at least its full prefill
               (``blend_misses``: ``prefill_instead``) answers 0: vLLM computes its full prefill,
               exactly blend's target; its missing entries are planned once the step's metadata is
-              built (``metadata``), so their jobs run from the next step on, after the prefill.
+              built (``metadata``), so their jobs run from the next step on, after the prefill;
+              with ``blend_entries`` 'context' they are instead filled from the prefill itself, in
+              the step that completes its context, after that step's forward (``EntryCapture``).
 ``allocated`` (vLLM allocated its blocks) turns the plan into a load: a fill this step (hits), or
               a load the workers complete by themselves once its jobs have run (isolated misses).
 ``metadata``  (vLLM builds the step's metadata) sends the step's new jobs, fills and loads and
@@ -70,7 +72,7 @@ import dataclasses
 import xxhash
 
 from graphchunk.cache.chunk_cache import ScheduledPrompt
-from graphchunk.cache.context_plan import ContextPlanner, MissJob, RequestPlan, UnitCopy
+from graphchunk.cache.context_plan import ContextPlanner, EntryCapture, MissJob, RequestPlan, UnitCopy
 from graphchunk.cache.keys import KeySpace
 from graphchunk.cache.pool import ChunkPool, PoolExhausted
 from graphchunk.config import GraphChunkConfig
@@ -146,6 +148,16 @@ class StepWork:
     loads: tuple[ContextLoad, ...] = ()
     """Filled by the workers once the jobs up to ``needs`` have run, then reported loaded."""
     counts: tuple = ()
+    captures: tuple[EntryCapture, ...] = ()
+    """New blend entries filled from requests' own slots after this step's forward."""
+
+
+def computed_before(so) -> dict[str, int]:
+    """Tokens each request of scheduler output ``so`` had computed before the step."""
+    computed = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
+    cached = so.scheduled_cached_reqs
+    computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+    return computed
 
 
 @dataclasses.dataclass
@@ -185,6 +197,9 @@ class ContextScheduler:
         """The workers' first unfinished job, as last reported."""
         self._for_later: list[ChunkRequest] = []
         """Requests run as full prefills this step, whose missing entries are planned after it."""
+        self._capturing: dict[str, ChunkRequest] = {}
+        """Full-prefilled blend requests whose missing entries are captured from their prefill
+        (``blend_entries`` 'context') once a step completes their context."""
         self._recompute_tokens = 0
         """Blend recompute admitted into this step (``RecomputePolicy.cost``)."""
         self.publish()
@@ -207,7 +222,10 @@ class ContextScheduler:
             if self.prefill_instead(request, num_computed, state.context_len):
                 state.prefilled = True
                 self.metrics.blend_full_prefills += 1
-                self._for_later.append(request)
+                if self.config.blend_entries == "context":
+                    self._capturing[req_id] = request
+                else:
+                    self._for_later.append(request)
                 return 0, False
             try:
                 plan = self.planner.plan(request.seg, request.salt, "isolated" if request.policy is None else "blend",
@@ -262,9 +280,11 @@ class ContextScheduler:
             self._loads.append(load)
             state.waiting = True
 
-    def metadata(self) -> StepWork:
+    def metadata(self, so=None) -> StepWork:
+        """The step's work; ``so``, its scheduler output (which requests complete their context in it)."""
+        captures = self._captures(so) if so is not None and self._capturing else ()
         self.publish()
-        work = StepWork(tuple(self._jobs), tuple(self._fills), tuple(self._loads), tuple(self._counts))
+        work = StepWork(tuple(self._jobs), tuple(self._fills), tuple(self._loads), tuple(self._counts), captures)
         self._jobs, self._fills, self._loads, self._counts = [], [], [], []
         self._recompute_tokens = 0
         for plan in self._sent:
@@ -288,6 +308,21 @@ class ContextScheduler:
             return False
         missing = self.planner.missing_tokens(request.seg, request.salt, "blend", start, end)
         return missing > 0 and missing + self._recompute_cost(request) >= end - start
+
+    def _captures(self, so) -> tuple[EntryCapture, ...]:
+        """Captures of the full-prefilled requests whose context this step completes (their counts
+        join the step's)."""
+        computed, captures = computed_before(so), []
+        for req_id, num_tokens in so.num_scheduled_tokens.items():
+            request = self._capturing.get(req_id)
+            if request is None or computed[req_id] + num_tokens < request.seg.layout.context_len:
+                continue
+            del self._capturing[req_id]
+            plan = self.planner.capture(request.seg, request.salt, req_id)
+            captures += plan.captures
+            self._counts += plan.counts
+            self.planner.release(plan)
+        return tuple(captures)
 
     def _compute_for_later(self, request: ChunkRequest) -> None:
         """Jobs for the entries a full-prefilled blend request lacked, its lookups counted; nothing
@@ -321,6 +356,7 @@ class ContextScheduler:
             self._drop_plan(state)
 
     def finished(self, req_id: str) -> None:
+        self._capturing.pop(req_id, None)
         state = self._requests.pop(req_id, None)
         if state is not None:
             self._drop_plan(state)

@@ -112,6 +112,10 @@ class RunnerKV:
                 first_layers(runner.model, num_layers):
             runner.model(input_ids=to(ids), positions=to(positions), intermediate_tensors=None, inputs_embeds=None)
 
+    def request_blocks(self, req_id: str) -> list[int]:
+        """The block ids vLLM's runner holds for request ``req_id`` (its one KV-cache group's)."""
+        return self.runner.requests[req_id].block_ids[0]
+
     def copy_blocks(self, src_blocks: list[int], dst_blocks: list[int]) -> None:
         self.copier.copy_blocks(src_blocks, dst_blocks)
 

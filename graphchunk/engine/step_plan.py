@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from graphchunk.engine.context_scheduler import ContextLoad
+from graphchunk.engine.context_scheduler import ContextLoad, computed_before
 from graphchunk.engine.frontend import ChunkRequest
 from graphchunk.graphs.buckets import Bucket, RequestShape
 
@@ -39,9 +39,7 @@ def plan_step(so, fills: tuple[ContextLoad, ...], requests: dict[str, ChunkReque
               choose: ChooseBucket | None) -> StepPlan:
     """``fills``: the step's fills (its connector metadata); ``requests``: the segmented requests by
     id; ``choose``: the grid's bucket choice (None: no grid)."""
-    computed = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
-    cached = so.scheduled_cached_reqs
-    computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+    computed = computed_before(so)
     questions, tokens_computed = [], 0
     for req_id, num_tokens in so.num_scheduled_tokens.items():
         request = requests.get(req_id)

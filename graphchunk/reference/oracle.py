@@ -18,7 +18,9 @@ Computations that share nothing with graphchunk's serving path except ``Layout``
 - blend mode with a given set of recomputed chunk tokens (``blend_generate``; none: naive reuse):
   sys prefilled causally, every chunk prefilled alone directly at the positions where it lands
   (no rotation involved: HF rotates at those positions itself), the recomputed tokens and the
-  question run over that KV with an explicit mask, generated tokens at ordinary positions.
+  question run over that KV with an explicit mask, generated tokens at ordinary positions;
+  with ``context_kv`` (``contextual_kv``: blend_entries 'context'), each chunk's KV instead taken
+  from another prompt's causal forward and moved to where it lands by HF's own rotary embedding.
 """
 from __future__ import annotations
 
@@ -163,7 +165,8 @@ class Oracle:
 
     @torch.inference_mode()
     def blend_generate(self, token_ids: list[int], layout: Layout, recomputed: Sequence[int],
-                       max_new_tokens: int, stop_at_eos: bool = False) -> tuple[list[int], list[torch.Tensor]]:
+                       max_new_tokens: int, stop_at_eos: bool = False,
+                       context_kv: list[LayerKV] | None = None) -> tuple[list[int], list[torch.Tensor]]:
         """Blend mode with the chunk tokens ``recomputed`` given fresh KV (empty: naive reuse).
 
         Every other chunk token's KV is computed alone at the positions where its chunk lands
@@ -172,8 +175,8 @@ class Oracle:
         a smaller or equal position": per layer each of them writes its fresh KV and attends to the
         reused KV before it and to the fresh KV of the recomputed tokens before it — what
         recomputing them under full causal attention means. Generated tokens follow at ordinary
-        positions."""
-        cache, new, allowed = self._blend_run(token_ids, layout, recomputed, 0)
+        positions. ``context_kv``: the context's reused KV (default: chunks alone, ``_alone_kv``)."""
+        cache, new, allowed = self._blend_run(token_ids, layout, recomputed, 0, context_kv)
         out = self._forward([token_ids[t] for t in new], new, allowed, cache, keep=1)
         return self._greedy(out, cache, layout.num_tokens, max_new_tokens, stop_at_eos)
 
@@ -186,22 +189,24 @@ class Oracle:
         out = self._forward(ids, new, allowed, cache, keep=len(forced))
         return out.logits[0].float().log_softmax(-1)
 
-    def _blend_run(self, token_ids: list[int], layout: Layout, recomputed: Sequence[int], num_generated: int):
+    def _blend_run(self, token_ids: list[int], layout: Layout, recomputed: Sequence[int], num_generated: int,
+                   context_kv: list[LayerKV] | None = None):
         """(cache, logical indices = positions of the tokens to run, their mask): the recomputed chunk
         tokens, the question and ``num_generated`` generated tokens over the reused KV, each seeing
         every token at a smaller or equal position."""
-        cache, kept, fresh = self._blend_cache(token_ids, layout, recomputed)
+        cache, kept, fresh = self._blend_cache(token_ids, layout, recomputed, context_kv)
         new = np.array(fresh + list(range(layout.context_len, layout.num_tokens + num_generated)), dtype=np.int64)
         keys = np.concatenate([np.array(kept, dtype=np.int64), new])
         return cache, new, keys[None, :] <= new[:, None]
 
     @torch.inference_mode()
-    def question_attention(self, token_ids: list[int], layout: Layout, num_layers: int | None = None) -> np.ndarray:
+    def question_attention(self, token_ids: list[int], layout: Layout, num_layers: int | None = None,
+                           context_kv: list[LayerKV] | None = None) -> np.ndarray:
         """The question's attention over the naively reused context (blend, nothing recomputed):
         HF's own softmax probabilities, summed over the question's tokens, every head and every
         layer (the first ``num_layers`` only, when given), per context token [context_len] (what
         the ``question`` recompute policy ranks by)."""
-        cache, kept, _ = self._blend_cache(token_ids, layout, ())
+        cache, kept, _ = self._blend_cache(token_ids, layout, (), context_kv)
         question = np.arange(layout.context_len, layout.num_tokens)
         keys = np.concatenate([np.array(kept, dtype=np.int64), question])
         out = self._forward(token_ids[layout.context_len:], question, keys[None, :] <= question[:, None], cache,
@@ -209,7 +214,8 @@ class Oracle:
         total = sum(layer[0].float().sum(dim=(0, 1)) for layer in out.attentions[:num_layers])  # [keys]
         return total[: layout.context_len].numpy().astype(np.float64)
 
-    def _blend_cache(self, token_ids: list[int], layout: Layout, recomputed: Sequence[int]):
+    def _blend_cache(self, token_ids: list[int], layout: Layout, recomputed: Sequence[int],
+                     context_kv: list[LayerKV] | None = None):
         """(cache, its tokens' logical indices, the recomputed tokens sorted): sys causal, every chunk
         alone at the positions where it lands, without the ``recomputed`` tokens."""
         _check_length(token_ids, layout)
@@ -217,7 +223,7 @@ class Oracle:
         fresh = sorted(fresh_set)
         if any(not layout.sys_len <= t < layout.context_len for t in fresh):
             raise ValueError("only chunk tokens can be recomputed")
-        alone = self._alone_kv(token_ids, layout)  # [context_len] per layer: sys causal, chunks alone
+        alone = self._alone_kv(token_ids, layout) if context_kv is None else context_kv  # [context_len] per layer
         kept = [t for t in range(layout.context_len) if t not in fresh_set]
         index = torch.tensor(kept, dtype=torch.long)
         layers = [tuple(x[:, :, index] for x in layer) for layer in alone]
@@ -235,6 +241,30 @@ class Oracle:
             self._alone = key, [tuple(torch.cat([part[layer][which] for part in parts], dim=2) for which in (0, 1))
                                 for layer in range(len(parts[0]))]
         return self._alone[1]
+
+    @torch.inference_mode()
+    def contextual_kv(self, token_ids: list[int], layout: Layout, source_ids: list[int],
+                      source_layout: Layout) -> list[LayerKV]:
+        """The context's KV as blend reuses entries taken from another prompt's full prefill
+        (blend_entries 'context'): sys causal at [0, S); each chunk's KV from the causal forward of
+        ``source_ids`` (which holds the same chunk), its keys moved from where it sat there to where
+        it lands here by HF's own rotary embedding (RoPE rotations compose); values unmoved."""
+        source = self._causal_kv(source_ids)
+        where = {tuple(source_ids[b:b + n]): b for b, n in zip(source_layout.chunk_starts(), source_layout.chunk_lens)}
+        parts = [[(k[:, :, :layout.sys_len], v[:, :, :layout.sys_len]) for k, v in self._causal_kv(
+            token_ids[:layout.sys_len])]] if layout.sys_len else []
+        for begin, n in zip(layout.chunk_starts(), layout.chunk_lens):
+            at = where[tuple(token_ids[begin:begin + n])]
+            parts.append([(self._moved(k[:, :, at:at + n], begin - at), v[:, :, at:at + n]) for k, v in source])
+        return [tuple(torch.cat([part[layer][which] for part in parts], dim=2) for which in (0, 1))
+                for layer in range(len(parts[0]))]
+
+    def _moved(self, keys: torch.Tensor, delta: int) -> torch.Tensor:
+        """``keys`` [1, heads, n, dim] rotated by ``delta`` positions with the model's own rotary
+        embedding and its module's ``apply_rotary_pos_emb``."""
+        cos, sin = self.model.model.rotary_emb(keys, torch.full((1, keys.shape[2]), delta))
+        module = importlib.import_module(type(self.model).__module__)
+        return module.apply_rotary_pos_emb(keys, keys, cos, sin)[1]
 
     def naive_reuse_generate(self, token_ids: list[int], layout: Layout,
                              max_new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
