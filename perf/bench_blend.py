@@ -25,6 +25,10 @@ a user runs it unless --enforce-eager, vLLM prefix caching on), every setting on
                     ``graphchunk_recompute``, ``graphchunk_recompute_ratio`` / ``_tokens``);
                     ``cacheblend:1.0`` recomputes every chunk token and must match vanilla.
 
+``--blend-entries context`` runs the engine with ``graphchunk.blend_entries: context``: the warm-up
+request (all misses, run as vLLM's full prefill when its policy ranks the context) leaves its
+documents' KV as computed there, in the warm-up order behind a fresh sys, for every blend setting.
+
 A setting the installed library cannot serve (a recompute policy or argument it does not know) is
 not run; its row says why and the run's checks fail.
 
@@ -119,6 +123,9 @@ def parse_args(argv=None):
     p.add_argument("--baseline", default=None,
                    help="a setting of --settings (e.g. question:0.3): every other row gets its paired differences "
                         "from it (vs_baseline)")
+    p.add_argument("--blend-entries", choices=("alone", "context"), default="alone",
+                   help="graphchunk.blend_entries of the engine: blend chunks computed alone, or taken from the "
+                        "full prefill that first carried them (the warm-up's, when its policy ranks the context)")
     p.add_argument("--block-size", type=int, default=128, help="vLLM's CPU default")
     p.add_argument("--pool-tokens", type=int, default=0, help="0: sized from the workload")
     p.add_argument("--no-salt", action="store_true",

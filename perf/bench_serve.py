@@ -11,7 +11,9 @@ chunk pool takes half, sized to hold each level's working set, said in the JSON)
 * ``vanilla``: ``vllm serve MODEL`` (vLLM's own worker);
 * ``isolated``: ``--worker-cls graphchunk.Runner`` with ``{"graphchunk": {"mode": "isolated"}}``;
 * ``blend``: ``--worker-cls graphchunk.Runner`` with ``{"graphchunk": {"mode": "blend"}}`` (its
-  default recompute policy), named so that the row is blend whatever graphchunk's default mode.
+  default recompute policy), named so that the row is blend whatever graphchunk's default mode;
+  ``blend:POLICY`` with that policy as the deployment's default; ``blend-context`` and
+  ``blend-context:POLICY`` the same with ``blend_entries: context`` (entries taken from full prefills).
 
 Traffic (``serve_trace.py``): per concurrency level its own slice of a corpus of CPython help-topic
 documents (so cold on a level is first sight for that server), Zipf popularity, ``--docs-per-prompt``
@@ -84,10 +86,14 @@ def settings_of(kind: str) -> dict | None:
     if kind in KINDS:
         return KINDS[kind]
     name, _, spec = kind.partition(":")
-    setting = one_setting(spec) if name == "blend" and spec else None
+    entries = {"blend-context": {"mode": "blend", "blend_entries": "context"}}.get(name)
+    if entries is not None and not spec:
+        return entries
+    setting = one_setting(spec) if name in ("blend", "blend-context") and spec else None
     if setting is None or not setting.blend:
-        raise ValueError(f"unknown kind {kind!r}; known: {', '.join(KINDS)}, blend:POLICY (e.g. blend:question:0.15@2)")
-    return {key.removeprefix("graphchunk_"): value for key, value in setting.extra.items()}
+        raise ValueError(f"unknown kind {kind!r}; known: {', '.join(KINDS)}, blend-context, blend:POLICY and "
+                         "blend-context:POLICY (e.g. blend:question:0.15@2)")
+    return {**(entries or {}), **{key.removeprefix("graphchunk_"): value for key, value in setting.extra.items()}}
 
 
 COUNTERS = ("graphchunk_lookups_total", "graphchunk_hits_total", "graphchunk_misses_total",

@@ -57,6 +57,11 @@ class ContentDevice:
 
     def __init__(self):
         self.kv: dict[int, tuple] = {}
+        self.blocks: dict[str, list[int]] = {}
+        """Each request's block ids at vLLM's last forward of it (``request_blocks``)."""
+
+    def request_blocks(self, req_id: str) -> list[int]:
+        return self.blocks[req_id]
 
     def slot(self, block_ids, i: int) -> int:
         return block_ids[i // BLOCK] * BLOCK + i % BLOCK
@@ -94,6 +99,8 @@ class ContentDevice:
     def copy_slots_rotated(self, src, dst, deltas):
         values = [self.kv.get(s) for s in src.tolist()]
         for d, value, delta in zip(dst.tolist(), values, deltas.tolist()):
+            if value is not None and value[0] == "vllm":  # vLLM's forward's KV (a capture): at its position
+                value = (value[1], len(value[1]) - 1)
             self.kv[d] = None if value is None else (value[0], value[1] + delta)
 
 
@@ -115,6 +122,14 @@ def expected(request, t: int) -> set:
                 return {fresh}
             return {fresh, alone} if policy.needs_check else {alone}
     raise AssertionError(f"token {t} is not context")
+
+
+def in_context(request, t: int, got) -> bool:
+    """Whether blend chunk token ``t`` holds KV taken from a full prefill (blend_entries 'context'):
+    computed at ``t`` after the chunk's tokens before it, and after something before the chunk."""
+    begin = next(b for b, e in request.seg.bounds[1:-1] if b <= t < e)
+    own = tuple(request.seg.token_ids[begin: t + 1])
+    return got is not None and got[1] == t and len(got[0]) > len(own) and got[0][-len(own):] == own
 
 
 def computed_tokens(so) -> dict[str, int]:
@@ -184,11 +199,14 @@ class Workers:
                 kv_connector_worker_meta=GraphChunkWorkerMeta(min(self.done_before))))
 
     def check_fills(self, engine, loads):
+        context = self.config.blend_entries == "context"
         for load in loads:
             request = load.request
             for t in range(request.seg.layout.context_len):
                 got = engine.kv.kv.get(engine.kv.slot(load.block_ids, t))
-                assert got in expected(request, t), f"request {load.req_id}: context token {t} holds {got}"
+                assert got in expected(request, t) or context and request.policy is not None and \
+                    t >= request.seg.layout.sys_len and in_context(request, t, got), \
+                    f"request {load.req_id}: context token {t} holds {got}"
 
     def forward(self, engine, so, scheduler):
         """vLLM's own forward: the scheduled tokens' KV, after the fills; never a segmented request's
@@ -204,6 +222,7 @@ class Workers:
                 (prefilled and chunked.policy is not None), \
                 f"vLLM computes request {req_id}'s context itself (from token {start})"
             (block_ids,) = scheduler.kv_cache_manager.get_block_ids(req_id)
+            engine.kv.blocks[req_id] = list(block_ids)
             tokens = list(request.all_token_ids)
             for t in range(start, start + n):
                 engine.kv.kv[engine.kv.slot(block_ids, t)] = ("vllm", tuple(tokens[: t + 1]))
@@ -325,8 +344,10 @@ def test_random_request_streams_fill_exactly_what_they_planned(vllm_scheduler, s
 
     rng = random.Random(seed)
     # Blend requests whose misses cost more than their prefill: vLLM's full prefill on odd seeds
-    # (their entries computed for later requests), blended on even ones.
-    scheduler, handshake, hasher = vllm_scheduler(asynchronous, blend_misses="prefill" if seed % 2 else "blend")
+    # (their entries computed alone for later requests, or taken from that prefill on seeds 1 mod 4),
+    # blended on even ones.
+    scheduler, handshake, hasher = vllm_scheduler(asynchronous, blend_misses="prefill" if seed % 2 else "blend",
+                                                  blend_entries="context" if seed % 4 == 1 else "alone")
     config = scheduler.connector._config
     pool = scheduler.connector._context().pool
     workers, stream = Workers(config, handshake, rng), Stream(rng, config, hasher)
@@ -361,11 +382,12 @@ def test_random_request_streams_fill_exactly_what_they_planned(vllm_scheduler, s
 
 def test_the_streams_exercise_pressure(vllm_scheduler):
     """Across a few seeds the pool evicts, vLLM preempts, runs blend requests as full prefills (the
-    default blend_misses) and blends question-aware ones: the random test covers all four."""
-    evictions = preemptions = prefills = scored = 0
+    default blend_misses), takes entries from them (blend_entries 'context', the last seed) and
+    blends question-aware ones: the random test covers all five."""
+    evictions = preemptions = prefills = scored = captured = 0
     for seed in range(3):
         rng = random.Random(seed)
-        scheduler, handshake, hasher = vllm_scheduler()
+        scheduler, handshake, hasher = vllm_scheduler(blend_entries="context" if seed == 2 else "alone")
         workers, stream = Workers(scheduler.connector._config, handshake, rng), Stream(rng, scheduler.connector._config,
                                                                                        hasher)
         for step in range(STEPS):
@@ -377,7 +399,9 @@ def test_the_streams_exercise_pressure(vllm_scheduler):
         evictions += scheduler.connector._context().pool.metrics.evictions
         prefills += scheduler.connector._context().metrics.blend_full_prefills
         scored += workers.engines[0].metrics.blend_tokens_scored
-    assert evictions and preemptions and prefills and scored, (evictions, preemptions, prefills, scored)
+        captured += workers.engines[0].metrics.blend_entries_captured
+    assert evictions and preemptions and prefills and scored and captured, \
+        (evictions, preemptions, prefills, scored, captured)
 
 
 def test_the_content_check_sees_a_wrong_fill(vllm_scheduler):
