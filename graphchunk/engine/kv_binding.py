@@ -9,6 +9,7 @@ layout cannot support is refused here, at start-up.
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import torch
 import xxhash
@@ -80,6 +81,12 @@ def bind_engine(runner, config: GraphChunkConfig, first_pool_block: int) -> Chun
                 pool_blocks * block_size, first_pool_block, first_pool_block + pool_blocks)
     engine = ChunkEngine(config, metrics, context_runner, RunnerKV(runner, copier, blend, layers), handshake,
                          max_tokens, counts, MetricsPublisher(path, WORKER_FIELDS) if path else None)
+    warm = min(256, model.max_model_len, max_tokens)  # a question of 16 tokens over the rest, in one forward
+    if blend.refusal is None and pool_blocks * block_size >= warm > 16:
+        start = time.perf_counter()
+        engine.kv.warm_up(list(range(first_pool_block, first_pool_block + -(-warm // block_size))), warm - 16)
+        logger.info("graphchunk: blend's question-aware scoring pass warmed up in %.0f ms",
+                    1000 * (time.perf_counter() - start))
     WORKER.engine = engine
     return engine
 
