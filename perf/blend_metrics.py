@@ -192,15 +192,20 @@ def paired(result_rows: list[dict], baseline: str) -> None:
     """Adds ``vs_baseline`` to every other row: its kl and exact_match minus the ``baseline`` row's,
     prompt by prompt (the prompts both answered), as means with bootstrap intervals."""
     base = next(r for r in result_rows if r["label"] == baseline)
-    base_of = {p: i for i, p in enumerate(base["per_prompt"]["prompt"])}
     for row in result_rows:
-        if row is base or not row["n_prompts"]:
-            continue
-        mine = row["per_prompt"]
-        both = [(i, base_of[p]) for i, p in enumerate(mine["prompt"]) if p in base_of]
-        cols = {f"{m}_delta": np.asarray([mine[m][i] - base["per_prompt"][m][j] for i, j in both], dtype=float)
-                for m in ("kl", "exact_match")}
-        row["vs_baseline"] = {"baseline": baseline, "n_prompts": len(both), **bootstrap(cols, **BOOTSTRAP)}
+        if row is not base and row["n_prompts"]:
+            row["vs_baseline"] = {"baseline": baseline, **paired_deltas(base, row)}
+
+
+def paired_deltas(base: dict, row: dict) -> dict:
+    """``row``'s kl and exact_match minus ``base``'s, prompt by prompt over the prompts both
+    answered: n_prompts and the means with bootstrap intervals."""
+    base_of = {p: i for i, p in enumerate(base["per_prompt"]["prompt"])}
+    mine = row["per_prompt"]
+    both = [(i, base_of[p]) for i, p in enumerate(mine["prompt"]) if p in base_of]
+    cols = {f"{m}_delta": np.asarray([mine[m][i] - base["per_prompt"][m][j] for i, j in both], dtype=float)
+            for m in ("kl", "exact_match")}
+    return {"n_prompts": len(both), **bootstrap(cols, **BOOTSTRAP)}
 
 
 # --- table and plot -------------------------------------------------------------------------------

@@ -50,7 +50,7 @@ def engine_kwargs(args, model_path: str, max_prompt: int) -> tuple[dict, dict, l
                           max_logprobs=-1, logits_processors=[ForceTokens], enable_chunked_prefill=False)
     graphchunk = dict(pool_tokens=pool_tokens, max_chunks=max(32, max_docs), eviction="lru",
                       max_chunk_len=max(2048, 2 * args.doc_tokens))
-    if getattr(args, "blend_entries", "alone") != "alone":
+    if args.blend_entries != "alone":
         graphchunk["blend_entries"] = args.blend_entries
     notes = [f"max_num_batched_tokens = max_model_len = {max_model_len} >= longest prompt {max_prompt} + "
              f"{max_gen} generated, chunked prefill off: every prefill runs whole in one step, also in a batch "

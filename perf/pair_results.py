@@ -16,9 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
-
-from blend_metrics import BOOTSTRAP, bootstrap
+from blend_metrics import paired_deltas
 
 
 def row_of(result: dict, label: str, path: str) -> dict:
@@ -38,14 +36,6 @@ def same_prompts(a: dict, b: dict) -> str | None:
     return None
 
 
-def paired(base: dict, other: dict) -> dict:
-    at = {p: i for i, p in enumerate(base["per_prompt"]["prompt"])}
-    both = [(i, at[p]) for i, p in enumerate(other["per_prompt"]["prompt"]) if p in at]
-    cols = {f"{m}_delta": np.asarray([other["per_prompt"][m][i] - base["per_prompt"][m][j] for i, j in both], float)
-            for m in ("kl", "exact_match")}
-    return {"n_prompts": len(both), "kl": other["kl"], "exact_match": other["exact_match"], **bootstrap(cols, **BOOTSTRAP)}
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("pairs", nargs="+", help="BASE.json LABEL, then OTHER.json LABEL ...")
@@ -61,7 +51,9 @@ def main(argv=None) -> int:
         why = same_prompts(files[base_path], files[path])
         if why:
             raise SystemExit(f"{path} and {base_path} are not the same prompts: {why}")
-        rows.append({"file": path, "label": label, **paired(base, row_of(files[path], label, path))})
+        other = row_of(files[path], label, path)
+        rows.append({"file": path, "label": label, "kl": other["kl"], "exact_match": other["exact_match"],
+                     **paired_deltas(base, other)})
         r = rows[-1]
         print(f"{label:>20} ({path}): KL {r['kl']:.3f} {r['kl_delta']:+.3f} [{r['kl_delta_ci'][0]:+.3f}, "
               f"{r['kl_delta_ci'][1]:+.3f}]  exact match {r['exact_match']:.2f} {r['exact_match_delta']:+.2f} "

@@ -37,7 +37,7 @@ from graphchunk.cache.keys import KeySpace
 from graphchunk.config import GraphChunkConfig
 from graphchunk.engine.chunk_engine import ChunkEngine
 from graphchunk.engine.connector import GraphChunkHandshake, GraphChunkWorkerMeta, connector_config, work_of
-from graphchunk.engine.context_scheduler import PoolHandshake
+from graphchunk.engine.context_scheduler import PoolHandshake, computed_before
 from graphchunk.engine.frontend import RequestAnnotator, chunk_request
 from graphchunk.metrics import METRICS_FILE_ENV, CacheMetrics
 
@@ -132,13 +132,6 @@ def in_context(request, t: int, got) -> bool:
     return got is not None and got[1] == t and len(got[0]) > len(own) and got[0][-len(own):] == own
 
 
-def computed_tokens(so) -> dict[str, int]:
-    """Each scheduled request's computed tokens as the step starts (vLLM's SchedulerOutput)."""
-    computed = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
-    computed.update(zip(so.scheduled_cached_reqs.req_ids, so.scheduled_cached_reqs.num_computed_tokens))
-    return computed
-
-
 class Workers:
     """Two tensor-parallel ranks of graphchunk's worker engine, each over its own fake device."""
 
@@ -188,7 +181,7 @@ class Workers:
         for req_id in report:
             self.loaded.pop(req_id, None)
         req_ids = list(so.num_scheduled_tokens)
-        computed = computed_tokens(so)
+        computed = computed_before(so)
         prompt_done = [computed[r] + so.num_scheduled_tokens[r] >= scheduler.requests[r].num_prompt_tokens
                        for r in req_ids]  # vLLM's runner samples nothing for a partial prefill
         return ModelRunnerOutput(
@@ -211,7 +204,7 @@ class Workers:
     def forward(self, engine, so, scheduler):
         """vLLM's own forward: the scheduled tokens' KV, after the fills; never a segmented request's
         context, unless the scheduler's connector chose to run it as a full prefill (blend)."""
-        computed = computed_tokens(so)
+        computed = computed_before(so)
         context = scheduler.connector._context()
         for req_id, n in so.num_scheduled_tokens.items():
             request = scheduler.requests[req_id]

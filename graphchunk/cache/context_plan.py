@@ -171,11 +171,8 @@ class ContextPlanner:
                     entry = self._insert(key, tokens, len(tokens), plan)
                 except PoolExhausted:
                     break
-                self.pool.acquire(entry)  # the capture's own reference, released once it is reported run
-                entry.job_id = self._next_job
-                self._running[entry.job_id] = _Job(entry, [entry])
-                plan.captures.append(EntryCapture(self._next_job, req_id, lo, hi, tuple(entry.block_ids), entry.epoch))
-                self._next_job += 1
+                job_id = self._start_job(entry, [entry])
+                plan.captures.append(EntryCapture(job_id, req_id, lo, hi, tuple(entry.block_ids), entry.epoch))
             if chunk is not None:
                 plan.counts += [("lookups", 1, "blend"), ("hits" if hit else "misses", 1, "blend")]
         return plan
@@ -270,15 +267,21 @@ class ContextPlanner:
         plan.held.append(entry)
         return entry
 
+    def _start_job(self, entry: PoolEntry, holds: list[PoolEntry]) -> int:
+        """The next job id, for the job (or capture) that fills ``entry``: it takes a reference of
+        its own on the entry, beside the plan's (others in ``holds``: the caller's), released with
+        ``holds`` once the workers report it run."""
+        job_id, self._next_job = self._next_job, self._next_job + 1
+        self.pool.acquire(entry)
+        entry.job_id = job_id
+        self._running[job_id] = _Job(entry, holds)
+        return job_id
+
     def _add_job(self, plan: RequestPlan, entry: PoolEntry, token_ids, block_ids, num_cached: int, mode: str,
                  holds: list[PoolEntry], partial: tuple[int, int] | None = None, after: int = -1,
                  counted: bool = True, reads: tuple = ()) -> None:
-        job = MissJob(self._next_job, tuple(token_ids), tuple(block_ids), num_cached, tuple(entry.block_ids),
-                      entry.key, tuple(entry.tokens), entry.num_tokens, mode, partial, after, counted, entry.epoch,
-                      reads)
-        self._next_job += 1
-        self.pool.acquire(entry)  # the job's own reference, beside the plan's (others in ``holds``: the caller's)
-        entry.job_id = job.job_id
-        self._running[job.job_id] = _Job(entry, holds)
+        job = MissJob(self._start_job(entry, holds), tuple(token_ids), tuple(block_ids), num_cached,
+                      tuple(entry.block_ids), entry.key, tuple(entry.tokens), entry.num_tokens, mode, partial, after,
+                      counted, entry.epoch, reads)
         plan.jobs.append(job)
         plan.needs = max(plan.needs, job.job_id)

@@ -280,9 +280,9 @@ class ContextScheduler:
             self._loads.append(load)
             state.waiting = True
 
-    def metadata(self, so=None) -> StepWork:
+    def metadata(self, so) -> StepWork:
         """The step's work; ``so``, its scheduler output (which requests complete their context in it)."""
-        captures = self._captures(so) if so is not None and self._capturing else ()
+        captures = self._captures(so) if self._capturing else ()
         self.publish()
         work = StepWork(tuple(self._jobs), tuple(self._fills), tuple(self._loads), tuple(self._counts), captures)
         self._jobs, self._fills, self._loads, self._counts = [], [], [], []

@@ -25,7 +25,7 @@ from graphchunk.engine.blend_support import BlendSupport
 from graphchunk.engine.chunk_engine import ChunkEngine
 from graphchunk.engine.connector import WORKER
 from graphchunk.engine.context_scheduler import PoolHandshake
-from graphchunk.engine.runner_kv import RunnerKV
+from graphchunk.engine.runner_kv import WARM_UP_QUESTION, RunnerKV
 from graphchunk.graphs.bucket_counts import BucketCounts
 from graphchunk.graphs.buckets import load_grid
 from graphchunk.log import logger
@@ -81,10 +81,10 @@ def bind_engine(runner, config: GraphChunkConfig, first_pool_block: int) -> Chun
                 pool_blocks * block_size, first_pool_block, first_pool_block + pool_blocks)
     engine = ChunkEngine(config, metrics, context_runner, RunnerKV(runner, copier, blend, layers), handshake,
                          max_tokens, counts, MetricsPublisher(path, WORKER_FIELDS) if path else None)
-    warm = min(256, model.max_model_len, max_tokens)  # a question of 16 tokens over the rest, in one forward
-    if blend.refusal is None and pool_blocks * block_size >= warm > 16:
+    warm = min(256, model.max_model_len, max_tokens)  # one forward
+    if blend.refusal is None and pool_blocks * block_size >= warm > WARM_UP_QUESTION:
         start = time.perf_counter()
-        engine.kv.warm_up(list(range(first_pool_block, first_pool_block + -(-warm // block_size))), warm - 16)
+        engine.kv.warm_up(list(range(first_pool_block, first_pool_block + -(-warm // block_size))), warm)
         logger.info("graphchunk: blend's question-aware scoring pass warmed up in %.0f ms",
                     1000 * (time.perf_counter() - start))
     WORKER.engine = engine

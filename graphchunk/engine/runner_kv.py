@@ -35,6 +35,10 @@ from graphchunk.device import PseudoSeq, slots_of
 from graphchunk.engine.blend_support import BlendSupport, first_layers
 
 
+WARM_UP_QUESTION = 16
+"""Question tokens of the start-up warm-up's scoring pass (``RunnerKV.warm_up``)."""
+
+
 class RunnerKV:
     def __init__(self, runner, copier: KVCopier, blend: BlendSupport, layers: list[torch.nn.Module]):
         """``runner``: vLLM's model runner (its model, attention groups, config, padding buffer);
@@ -112,13 +116,13 @@ class RunnerKV:
                 first_layers(runner.model, num_layers):
             runner.model(input_ids=to(ids), positions=to(positions), intermediate_tensors=None, inputs_embeds=None)
 
-    def warm_up(self, block_ids: list[int], context: int = 240, question: int = 16) -> None:
-        """Runs blend's question-aware scoring pass once, ``question`` tokens over ``context`` cached
-        ones in ``block_ids`` (pool blocks no entry holds yet; what it writes there is never read):
-        vLLM's plain forward of a multi-token prefill runs nowhere before the first blended
-        request, which would otherwise pay its first run's cost (1.6 s of a 2.2 s request measured
-        on the 2-core CPU; a one-token pass does not warm it)."""
-        tokens = (0,) * (context + question)
+    def warm_up(self, block_ids: list[int], num_tokens: int) -> None:
+        """Runs blend's question-aware scoring pass once, a question of ``WARM_UP_QUESTION`` tokens
+        over the rest of ``num_tokens`` cached in ``block_ids`` (pool blocks no entry holds yet;
+        what it writes there is never read): vLLM's plain forward of a multi-token prefill runs
+        nowhere before the first blended request, which would otherwise pay its first run's cost
+        (1.7 s of a 2.2 s request measured on the 2-core CPU; a one-token pass does not warm it)."""
+        context, tokens = num_tokens - WARM_UP_QUESTION, (0,) * num_tokens
         with torch.inference_mode():
             self.prefill([PseudoSeq(tokens[:context], np.arange(context), tuple(block_ids), 0)])
             self.context_attention([PseudoSeq(tokens, np.arange(len(tokens)), tuple(block_ids), context)])
