@@ -159,3 +159,75 @@ def test_only_the_check_pass_runs_past_the_compiled_graph():
     assert (check["skip_compiled"], check["end_layer"]) == (True, 2)
     assert full["cudagraph_runtime_mode"] == check["cudagraph_runtime_mode"] == CUDAGraphMode.NONE
     assert runner.model.end_layer == 4
+
+
+# --- the question-aware scoring pass -------------------------------------------------------------
+
+def _score_both_ways(worker, token_ids: list[int], num_cached: int) -> dict:
+    """Runs in the engine's worker: the scoring pass through the compiled graph (full depth) and
+    through vLLM's plain forward (every layer named, so ``skip_compiled``), over borrowed pool blocks."""
+    import numpy as np
+    import torch
+    from torch._dynamo.utils import counters
+    from vllm.compilation.counter import compilation_counter
+
+    from graphchunk.device import PseudoSeq
+
+    runner = worker.model_runner
+    pool, kv = runner.chunk_engine.pool, runner.chunk_engine.kv
+    needed = -(-len(token_ids) // pool.block_size)
+    blocks = list(range(pool.first_block + pool.num_blocks - needed, pool.first_block + pool.num_blocks))
+    saved = kv.read_blocks(blocks)
+    try:
+        with torch.inference_mode():
+            kv.prefill([PseudoSeq(token_ids[:num_cached], np.arange(num_cached), blocks, 0)])
+            question = PseudoSeq(token_ids, np.arange(len(token_ids)), blocks, num_cached)
+            plain = kv.context_attention([question], num_layers=len(kv.layers))[0]
+            compiles = (compilation_counter.num_backend_compilations, counters["frames"]["total"])
+            compiled = kv.context_attention([question])[0]
+            recompiled = (compilation_counter.num_backend_compilations, counters["frames"]["total"]) != compiles
+        patched = [layer for layer in kv.layers if "forward" in vars(layer.impl)]
+    finally:
+        kv.write_blocks(blocks, saved)
+    return {"plain": plain.cpu().numpy(), "compiled": compiled.cpu().numpy(), "recompiled": recompiled,
+            "left_patched": len(patched)}
+
+
+@pytest.mark.slow
+def test_scoring_pass_records_every_layer_from_the_compiled_graph(gc_llm, tokenizer):
+    """The full-depth scoring pass runs vLLM's compiled graph and records each layer's query where
+    the attention op hands it to the backend: its attention to the context equals the plain
+    forward's (where every layer is named, so the graph is bypassed), nothing compiles anew, and no
+    backend is left wrapped."""
+    ids = tokenizer("Reused context that the question attends to, with enough tokens to fill a block "
+                    "or two of the pool; then a short question about it?")["input_ids"] * 3
+    num_cached = len(ids) - 9
+    found = run_in_worker(gc_llm, _score_both_ways, ids, num_cached)
+    assert found["plain"].shape == (num_cached,)
+    np.testing.assert_allclose(found["compiled"], found["plain"], rtol=1e-3, atol=1e-3)
+    assert not found["recompiled"] and found["left_patched"] == 0
+
+
+def test_attention_to_cached_is_each_layers_softmax_summed(monkeypatch):
+    """``_attention_to_cached`` in layer groups (a small group bound forces several) equals, per
+    layer, the softmax of the scaled query-key products over grouped heads, causal among the
+    question tokens, summed on the cached keys."""
+    from types import SimpleNamespace
+
+    from graphchunk.engine import runner_kv
+
+    torch.manual_seed(0)
+    n, heads, kv_heads, dim, num_cached, num_layers = 3, 4, 2, 8, 7, 5
+    layers = [SimpleNamespace(num_heads=heads, head_size=dim, impl=SimpleNamespace(scale=0.2 + 0.1 * i))
+              for i in range(num_layers)]
+    queries = [torch.randn(n, heads, dim) for _ in layers]
+    keys = [torch.randn(num_cached + n, kv_heads, dim) for _ in layers]
+    expected = torch.zeros(num_cached)
+    for layer, q, k in zip(layers, queries, keys):
+        for h in range(heads):
+            logits = q[:, h] @ k[:, h // (heads // kv_heads)].T * layer.impl.scale  # [n, keys]
+            for i in range(n):
+                expected += logits[i, :num_cached + i + 1].softmax(-1)[:num_cached]
+    monkeypatch.setattr(runner_kv, "_SCORE_ELEMENTS", 2 * heads * n * (num_cached + n))
+    got = runner_kv._attention_to_cached(queries, keys, num_cached, layers)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

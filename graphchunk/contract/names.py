@@ -184,6 +184,9 @@ TP = "tensor-parallel collectives over vLLM's TP group (not documented for plugi
 BACKEND_WRITE = ("graphchunk probes each attention backend's KV placement through the backend's own "
                  "KV write (kv_binding.probe_kv_layout); there is no layout query")
 BACKEND_SCALE = "the question-aware recompute scores attention as the layer's softmax would (its scale)"
+BACKEND_QUERY = ("the question-aware recompute's scoring pass records each attention layer's query by wrapping "
+                 "its impl.forward (an instance attribute, removed after the pass), which vLLM's attention custom op "
+                 "calls outside the compiled graph")
 RPC = "the engine handle behind vllm.LLM, to shut its engine core down (vllm.LLM has no close())"
 
 
@@ -333,8 +336,6 @@ def _entries() -> tuple[Name, ...]:
     for attr in ("kv_cache", "impl", "num_heads", "head_size"):
         add(n(ATT, f"Attention.{attr}", "attribute", f"{KB}, {RKV}", KV + " (the attention layers of "
               "compilation_config.static_forward_context)"))
-    add(n(ATT, "Attention.forward", "hook", RKV, "the question-aware recompute records each attention "
-          "layer's queries with a forward pre-hook (args[0] or kwargs['query'])", ("query", "...")))
     impls = (("cpu_attn", "CPUAttentionBackendImpl"), ("flash_attn", "FlashAttentionImpl"),
              ("flex_attention", "FlexAttentionImpl"), ("triton_attn", "TritonAttentionImpl"),
              ("flashinfer", "FlashInferImpl"))
@@ -342,6 +343,8 @@ def _entries() -> tuple[Name, ...]:
         add(n(f"{BACKENDS}.{backend}", f"{impl}.do_kv_cache_update", "call", KB, BACKEND_WRITE,
               ("layer", "key", "value", "kv_cache", "slot_mapping")))
         add(n(f"{BACKENDS}.{backend}", f"{impl}.scale", "attribute", RKV, BACKEND_SCALE))
+        add(n(f"{BACKENDS}.{backend}", f"{impl}.forward", "patch", RKV, BACKEND_QUERY, ("layer", "query", "..."),
+              (f"{ATT}:unified_attention_with_output",)))
     add(n("vllm.distributed", "get_tensor_model_parallel_rank", "import", KB, TP))
     add(n("vllm.distributed", "get_tensor_model_parallel_world_size", "import", f"{KB}, {RKV}", TP))
     add(n("vllm.distributed", "get_tp_group", "import", KB, TP))
