@@ -27,15 +27,20 @@ Settings (``--settings``, comma list, default ``all`` = ``DEFAULT_SETTINGS``), o
 * ``none``, ``legolink:K``, ``question:R``, ``recompute:1``: blend mode (every chunk's KV computed
   alone where it lands, sys causal) with no token, the first K of every chunk, the top R of chunk
   tokens by the question's attention over the naively reused context (``Oracle.question_attention``;
-  the ``question`` policy's ranking) or every chunk token recomputed (must equal ``full``).
+  the ``question`` policy's ranking) or every chunk token recomputed (must equal ``full``);
+  a blend setting ending in ``/prefix`` computes every chunk after the fixed ``--blend-prefix``
+  text instead of alone (``Oracle.prefixed_kv``: DESIGN.md §2's "fixed model-level prefix", the
+  same tokens before every chunk; not served by graphchunk yet).
 
 Per prompt and setting: ``exact_match`` (``Task.correct`` of the free greedy answer, stopped at EOS),
 ``kl`` (mean over the reference continuation's steps of KL(full || setting), teacher-forced),
 ``kl_first`` (at the first answer-bearing step, ``Task.answer_step``). Per setting, length and family:
 means with 95 % bootstrap intervals (``blend_metrics.bootstrap``: prompts resampled, 2000, seed 0)
 and the paired exact-match differences to full prefill (``exact_match_delta``) and to plain isolated
-mode (``exact_match_delta_isolated``: what a correction of isolated mode buys). Checks (exit 1): ``recompute:1``'s and
-``full``'s KL at most ``FULL_KL_TOL``.
+mode (``exact_match_delta_isolated``: what a correction of isolated mode buys); with ``--baseline
+LABEL``, each row's KL and exact match minus that setting's, prompt by prompt (``vs_baseline``,
+``blend_metrics.paired_deltas``). Checks (exit 1): ``recompute:1``'s and ``full``'s KL at most
+``FULL_KL_TOL``.
 """
 from __future__ import annotations
 
@@ -48,7 +53,7 @@ from pathlib import Path
 import numpy as np
 
 import harness as H
-from blend_metrics import BOOTSTRAP, FULL_KL_TOL, bootstrap, kl_steps
+from blend_metrics import BOOTSTRAP, FULL_KL_TOL, bootstrap, kl_steps, paired_deltas
 from blend_task import SYS_TEXT
 from rag_tasks import build_tasks, encode, parse_docs, parse_families
 
@@ -61,11 +66,19 @@ batch over a context computed once), beside blend mode's naive reuse and its def
 where asked; a run of the defaults takes ~1 h on 2 cores (decode steps of a 135M model in fp32
 read its 0.5 GB of weights: ~0.1 s each)."""
 QUICK = dict(prompts=4, docs="3", doc_tokens="80", distractors=1, answer_tokens=16,
-             settings="full,isolated,ape:0.9:0.9,ape-prefix:0.9:0.9,none,legolink:4,question:0.15,recompute:1")
+             settings="full,isolated,ape:0.9:0.9,ape-prefix:0.9:0.9,none,legolink:4,question:0.15,question:0.15/prefix,recompute:1,"
+                      "recompute:1/prefix", baseline="question:0.15")
+
+
+BLEND_PREFIX = "Here is a document.\n\n"
+"""``--blend-prefix``'s default: the text a ``/prefix`` setting computes before every chunk."""
 
 
 def parse_setting(item: str) -> dict:
-    name, *params = item.split(":")
+    base, slash, flag = item.partition("/")
+    if slash and (flag != "prefix" or base.split(":")[0] not in ("none", "legolink", "question", "recompute")):
+        raise SystemExit(f"setting {item!r}: only blend settings (none, legolink, question, recompute) take /prefix")
+    name, *params = base.split(":")
     try:
         values = [float(p) for p in params]
     except ValueError:
@@ -79,7 +92,7 @@ def parse_setting(item: str) -> dict:
         from graphchunk.reference.ape import Ape
 
         return dict(label=item, kind="ape", ape=Ape(values[0], values[1], "prefix" if name == "ape-prefix" else "documents"))
-    return dict(label=item, kind=name, param=values[0] if values else None)
+    return dict(label=item, kind=name, param=values[0] if values else None, prefix=bool(slash))
 
 
 def parse_args(argv=None):
@@ -91,6 +104,8 @@ def parse_args(argv=None):
     p.add_argument("--distractors", type=int, default=3, help="distractor facts per prompt (at most docs - gold)")
     p.add_argument("--answer-tokens", type=int, default=20, help="free greedy tokens, and the reference continuation")
     p.add_argument("--settings", default=",".join(DEFAULT_SETTINGS.split(",")))
+    p.add_argument("--blend-prefix", default=BLEND_PREFIX, help="text before every chunk of a /prefix setting")
+    p.add_argument("--baseline", default=None, help="a setting's label: every row paired with it prompt by prompt")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M-Instruct")
     p.add_argument("--out", type=Path, default=REPO / "perf/results/oracle_quality.json")
@@ -102,10 +117,12 @@ def parse_args(argv=None):
     args.setting_list = [parse_setting(s.strip()) for s in args.settings.split(",") if s.strip()]
     if args.setting_list[0]["kind"] != "full":
         raise SystemExit("--settings must start with full (the reference)")
+    if args.baseline is not None and args.baseline not in [s["label"] for s in args.setting_list]:
+        raise SystemExit(f"--baseline {args.baseline!r} is not one of the settings")
     return args
 
 
-def recomputed_tokens(oracle, ids, layout, setting) -> list[int]:
+def recomputed_tokens(oracle, ids, layout, setting, context_kv=None) -> list[int]:
     """The chunk tokens a blend setting recomputes."""
     chunk_tokens = np.arange(layout.sys_len, layout.context_len)
     if setting["kind"] == "none":
@@ -115,7 +132,7 @@ def recomputed_tokens(oracle, ids, layout, setting) -> list[int]:
     if setting["kind"] == "legolink":
         k = int(setting["param"])
         return [t for start, n in zip(layout.chunk_starts(), layout.chunk_lens) for t in range(start, start + min(k, n))]
-    scores = oracle.question_attention(ids, layout)[layout.sys_len:]
+    scores = oracle.question_attention(ids, layout, context_kv=context_kv)[layout.sys_len:]
     n = int(round(setting["param"] * chunk_tokens.size))
     return sorted((chunk_tokens[np.argsort(-scores, kind="stable")[:n]]).tolist())
 
@@ -125,7 +142,7 @@ def answer_text(tokenizer, oracle, tokens: list[int]) -> str:
     return tokenizer.decode(tokens[:cut], skip_special_tokens=True)
 
 
-def one_prompt(oracle, tokenizer, task, settings, answer_tokens) -> dict:
+def one_prompt(oracle, tokenizer, task, settings, answer_tokens, prefix_ids: list[int]) -> dict:
     """{label: record} of every setting on one task."""
     import torch
 
@@ -144,11 +161,14 @@ def one_prompt(oracle, tokenizer, task, settings, answer_tokens) -> dict:
         answers = oracle.question_generate(cache, ids, layout, answer_tokens, apes=apes)
         forced = oracle.question_logprobs(cache, ids, layout, ref_tokens, apes=apes).double().numpy()
         results.update({s["label"]: (answers[i], forced[i]) for i, s in enumerate(isolated)})
+    prefixed = oracle.prefixed_kv(ids, layout, prefix_ids) if any(s.get("prefix") for s in settings) else None
     for s in settings:
         if s["kind"] not in ("full", "isolated", "ape"):
-            fresh = recomputed_tokens(oracle, ids, layout, s)
-            results[s["label"]] = (oracle.blend_generate(ids, layout, fresh, answer_tokens, stop_at_eos=True)[0],
-                                   oracle.blend_logprobs(ids, layout, fresh, ref_tokens).double().numpy())
+            context = prefixed if s["prefix"] else None
+            fresh = recomputed_tokens(oracle, ids, layout, s, context)
+            results[s["label"]] = (
+                oracle.blend_generate(ids, layout, fresh, answer_tokens, stop_at_eos=True, context_kv=context)[0],
+                oracle.blend_logprobs(ids, layout, fresh, ref_tokens, context_kv=context).double().numpy())
     out = {}
     for s in settings:
         tokens, lp = results["full" if s["kind"] == "full" else s["label"]]
@@ -172,7 +192,7 @@ def summarize(records: list[dict], refs: dict[str, list[dict]]) -> dict:
     return {"n_prompts": len(records), **bootstrap(cols, **BOOTSTRAP)}
 
 
-def rows_of(per: dict, settings, families) -> list[dict]:
+def rows_of(per: dict, settings, families, baseline: str | None = None) -> list[dict]:
     refs = {"": per[settings[0]["label"]]}
     if "isolated" in per:
         refs["_isolated"] = per["isolated"]
@@ -186,6 +206,10 @@ def rows_of(per: dict, settings, families) -> list[dict]:
         row["per_prompt"] = {k: [r[k] for r in records] for k in ("prompt", "kind", "exact_match", "kl", "kl_first",
                                                                   "answer")}
         rows.append(row)
+    if baseline is not None:
+        base = next(row for row in rows if row["label"] == baseline)
+        for row in rows:
+            row["vs_baseline"] = {"label": baseline, **paired_deltas(base, row)}
     return rows
 
 
@@ -222,6 +246,13 @@ def print_table(result: dict) -> None:
             fam = " ".join(f"{row['by_family'][f]['exact_match_delta']:>+10.2f}" for f in families)
             print(f"{row['label']:>22} {row['exact_match']:>5.2f} {row['exact_match_delta']:>+8.2f} [{lo:+.2f}, {hi:+.2f}] "
                   f"{row['kl']:>7.3f} {fam}")
+        for row in run["rows"]:
+            pair = row.get("vs_baseline")
+            if pair and row["label"] != pair["label"]:
+                print(f"{row['label']:>22} - {pair['label']}: KL {pair['kl_delta']:+.4f} "
+                      f"[{pair['kl_delta_ci'][0]:+.4f}, {pair['kl_delta_ci'][1]:+.4f}], exact match "
+                      f"{pair['exact_match_delta']:+.2f} [{pair['exact_match_delta_ci'][0]:+.2f}, "
+                      f"{pair['exact_match_delta_ci'][1]:+.2f}]")
 
 
 def main(argv=None) -> int:
@@ -234,6 +265,7 @@ def main(argv=None) -> int:
     model_path = H.resolve_model(args.model)
     tokenizer = H.load_tokenizer(model_path)
     oracle = Oracle(model_path)
+    prefix_ids = tokenizer(args.blend_prefix, add_special_tokens=False)["input_ids"]
     failures, lengths = [], []
     for doc_tokens in args.lengths:
         args.doc_tokens = doc_tokens
@@ -242,14 +274,14 @@ def main(argv=None) -> int:
         prompts = []
         for task in tasks:
             t0 = time.perf_counter()
-            got = one_prompt(oracle, tokenizer, task, args.setting_list, args.answer_tokens)
+            got = one_prompt(oracle, tokenizer, task, args.setting_list, args.answer_tokens, prefix_ids)
             prompts.append(got.pop("_prompt"))
             for label, record in got.items():
                 per[label].append(record)
             log(f"[oracle_quality] ~{doc_tokens} tok, prompt {task.index + 1}/{len(tasks)} {task.kind} "
                 f"({prompts[-1]['tokens']} tokens) {time.perf_counter() - t0:.1f} s: "
                 + " ".join(f"{k}={v['exact_match']}" for k, v in got.items()))
-        rows = rows_of(per, args.setting_list, args.families)
+        rows = rows_of(per, args.setting_list, args.families, args.baseline)
         for row in rows:
             if row["label"] in ("full", "recompute:1") and row["kl"] > FULL_KL_TOL:
                 failures.append(f"~{doc_tokens} tok: {row['label']} differs from full prefill: KL {row['kl']:.3g}")

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
@@ -51,3 +52,18 @@ def test_full_prefill_is_the_reference_and_full_recompute_equals_it(result):
     assert rows["full"]["exact_match_delta"] == 0 and abs(rows["full"]["kl"]) < FULL_KL_TOL
     assert abs(rows["recompute:1"]["kl"]) < FULL_KL_TOL
     assert rows["recompute:1"]["per_prompt"]["answer"] == rows["full"]["per_prompt"]["answer"]
+    assert abs(rows["recompute:1/prefix"]["kl"]) < FULL_KL_TOL  # every chunk token recomputed: no prefix left
+
+
+def test_a_fixed_prefix_changes_blend_and_rows_pair_with_the_baseline(result):
+    """``/prefix`` settings compute chunks after ``--blend-prefix`` (another context than alone);
+    every row carries its prompt-by-prompt difference to ``--baseline`` (zero for the baseline)."""
+    rows = {row["label"]: row for row in result["lengths"][0]["rows"]}
+    assert result["config"]["blend_prefix"] and result["config"]["baseline"] == "question:0.15"
+    assert rows["question:0.15/prefix"]["per_prompt"]["kl"] != rows["question:0.15"]["per_prompt"]["kl"]
+    for row in rows.values():
+        pair = row["vs_baseline"]
+        assert pair["label"] == "question:0.15" and pair["n_prompts"] == row["n_prompts"]
+        mine, base = np.asarray(row["per_prompt"]["kl"]), np.asarray(rows["question:0.15"]["per_prompt"]["kl"])
+        assert pair["kl_delta"] == pytest.approx(float((mine - base).mean()))
+    assert rows["question:0.15"]["vs_baseline"]["kl_delta"] == 0

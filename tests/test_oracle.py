@@ -158,3 +158,28 @@ def test_blend_reference_partial_recompute_lies_between(oracle, segments):
     assert kl(full, naive) > 1e-2  # measured 0.16
     assert (partial - naive).abs().max() > LOGITS_TOL and (partial - full).abs().max() > LOGITS_TOL
     print(f"\nKL(full || naive) {kl(full, naive):.3e}, KL(full || legolink 4) {kl(full, partial):.3e}")
+
+
+def test_blend_reference_with_a_fixed_prefix_before_every_chunk(oracle, segments, tokenizer):
+    """``prefixed_kv``: with no prefix it is the chunks-alone context; with one, each chunk token's
+    KV is HF's causal forward of ``prefix ‖ chunk`` at that token, keys moved to where the chunk
+    lands (compared at the chunk's own positions in a forward of ``prefix ‖ chunk`` placed so that
+    the chunk starts there); recomputing every chunk token over it is still full prefill."""
+    token_ids, layout = build(*segments)
+    alone = oracle._alone_kv(token_ids, layout)
+    for (k0, v0), (k1, v1) in zip(alone, oracle.prefixed_kv(token_ids, layout, [])):
+        assert max_abs(k0, k1) < 1e-4 and max_abs(v0, v1) < 1e-4  # RoPE moves, float rounding: ~1e-5
+    prefix = tokenizer("Here is a document.\n\n").input_ids
+    prefixed = oracle.prefixed_kv(token_ids, layout, prefix)
+    begin, n = layout.chunk_starts()[1], layout.chunk_lens[1]
+    placed = oracle._causal_kv(prefix + token_ids[begin:begin + n], first_position=begin - len(prefix))
+    for (k, v), (pk, pv), (ak, _) in zip(prefixed, placed, alone):
+        assert max_abs(k[:, :, begin:begin + n], pk[:, :, len(prefix):]) < 1e-3
+        assert max_abs(v[:, :, begin:begin + n], pv[:, :, len(prefix):]) < 1e-4
+    assert max_abs(prefixed[-1][0], alone[-1][0]) > MASK_EFFECT_MIN
+    every = range(layout.sys_len, layout.context_len)
+    full = oracle.causal_generate(token_ids, 2)[1]
+    recomputed = oracle.blend_generate(token_ids, layout, every, 2, context_kv=prefixed)[1]
+    assert max((a - b).abs().max() for a, b in zip(full, recomputed)) < LOGITS_TOL
+    forced = oracle.blend_logprobs(token_ids, layout, every, [int(full[0].argmax()), 0], context_kv=prefixed)
+    assert max_abs(forced[0], full[0]) < LOGITS_TOL

@@ -182,9 +182,9 @@ class Oracle:
 
     @torch.inference_mode()
     def blend_logprobs(self, token_ids: list[int], layout: Layout, recomputed: Sequence[int],
-                       forced: list[int]) -> torch.Tensor:
+                       forced: list[int], context_kv: list[LayerKV] | None = None) -> torch.Tensor:
         """``blend_generate``'s model teacher-forced on ``forced``: log-softmax [len(forced), vocab]."""
-        cache, new, allowed = self._blend_run(token_ids, layout, recomputed, len(forced) - 1)
+        cache, new, allowed = self._blend_run(token_ids, layout, recomputed, len(forced) - 1, context_kv)
         ids = [token_ids[t] for t in new[:len(new) - len(forced) + 1]] + forced[:-1]
         out = self._forward(ids, new, allowed, cache, keep=len(forced))
         return out.logits[0].float().log_softmax(-1)
@@ -235,12 +235,22 @@ class Oracle:
         prompt compute it once."""
         key = (tuple(token_ids), layout)
         if self._alone[0] != key:
-            parts = [self._causal_kv(token_ids[:layout.sys_len])] if layout.sys_len else []
-            parts += [self._causal_kv(token_ids[start:start + n], first_position=start)
-                      for start, n in zip(layout.chunk_starts(), layout.chunk_lens)]
-            self._alone = key, [tuple(torch.cat([part[layer][which] for part in parts], dim=2) for which in (0, 1))
-                                for layer in range(len(parts[0]))]
+            self._alone = key, _cat_parts(self._sys_part(token_ids, layout) + [
+                self._causal_kv(token_ids[start:start + n], first_position=start)
+                for start, n in zip(layout.chunk_starts(), layout.chunk_lens)])
         return self._alone[1]
+
+    @torch.inference_mode()
+    def prefixed_kv(self, token_ids: list[int], layout: Layout, prefix: Sequence[int]) -> list[LayerKV]:
+        """The context's KV as blend would reuse chunks computed after a fixed ``prefix`` (the same
+        tokens before every chunk, DESIGN.md §2's "fixed model-level prefix"): sys causal at [0, S);
+        each chunk's KV from the causal forward of ``prefix ‖ chunk``, the prefix's KV dropped and the
+        chunk's keys moved from [m, m + L) to where the chunk lands by HF's own rotary embedding."""
+        m, parts = len(prefix), self._sys_part(token_ids, layout)
+        for begin, n in zip(layout.chunk_starts(), layout.chunk_lens):
+            kv = self._causal_kv(list(prefix) + token_ids[begin:begin + n])
+            parts.append([(self._moved(k[:, :, m:], begin - m), v[:, :, m:]) for k, v in kv])
+        return _cat_parts(parts)
 
     @torch.inference_mode()
     def contextual_kv(self, token_ids: list[int], layout: Layout, source_ids: list[int],
@@ -251,13 +261,15 @@ class Oracle:
         it lands here by HF's own rotary embedding (RoPE rotations compose); values unmoved."""
         source = self._causal_kv(source_ids)
         where = {tuple(source_ids[b:b + n]): b for b, n in zip(source_layout.chunk_starts(), source_layout.chunk_lens)}
-        parts = [[(k[:, :, :layout.sys_len], v[:, :, :layout.sys_len]) for k, v in self._causal_kv(
-            token_ids[:layout.sys_len])]] if layout.sys_len else []
+        parts = self._sys_part(token_ids, layout)
         for begin, n in zip(layout.chunk_starts(), layout.chunk_lens):
             at = where[tuple(token_ids[begin:begin + n])]
             parts.append([(self._moved(k[:, :, at:at + n], begin - at), v[:, :, at:at + n]) for k, v in source])
-        return [tuple(torch.cat([part[layer][which] for part in parts], dim=2) for which in (0, 1))
-                for layer in range(len(parts[0]))]
+        return _cat_parts(parts)
+
+    def _sys_part(self, token_ids: list[int], layout: Layout) -> list[list[LayerKV]]:
+        """[the sys prompt's causal KV] (empty without one): the first part of a blend context."""
+        return [self._causal_kv(token_ids[:layout.sys_len])] if layout.sys_len else []
 
     def _moved(self, keys: torch.Tensor, delta: int) -> torch.Tensor:
         """``keys`` [1, heads, n, dim] rotated by ``delta`` positions with the model's own rotary
@@ -318,6 +330,12 @@ class Oracle:
         """[1, 1, queries, keys]: 0 where allowed, dtype-min elsewhere (eager adds it to the scores)."""
         blocked = torch.finfo(self.dtype).min
         return torch.where(torch.from_numpy(allowed), 0.0, blocked).to(self.dtype)[None, None]
+
+
+def _cat_parts(parts: list[list[LayerKV]]) -> list[LayerKV]:
+    """Per layer, the (keys, values) of ``parts`` (each a list of per-layer KV) concatenated along tokens."""
+    return [tuple(torch.cat([part[layer][which] for part in parts], dim=2) for which in (0, 1))
+            for layer in range(len(parts[0]))]
 
 
 def _concat_context_kv(segment_kvs: list[list[LayerKV]], sys_len: int) -> list[LayerKV]:
