@@ -29,6 +29,9 @@ a user runs it unless --enforce-eager, vLLM prefix caching on), every setting on
 request (all misses, run as vLLM's full prefill when its policy ranks the context) leaves its
 documents' KV as computed there, in the warm-up order behind a fresh sys, for every blend setting.
 
+``--blend-prefix TEXT`` runs the engine with ``graphchunk.blend_prefix: TEXT``: every blend chunk
+computed after that text (DESIGN.md §2's fixed model-level prefix).
+
 A setting the installed library cannot serve (a recompute policy or argument it does not know) is
 not run; its row says why and the run's checks fail.
 
@@ -123,6 +126,8 @@ def parse_args(argv=None):
     p.add_argument("--baseline", default=None,
                    help="a setting of --settings (e.g. question:0.3): every other row gets its paired differences "
                         "from it (vs_baseline)")
+    p.add_argument("--blend-prefix", default="", help="graphchunk.blend_prefix of the engine: text computed before "
+                   "every blend chunk (default: none, chunks alone)")
     p.add_argument("--blend-entries", choices=("alone", "context"), default="alone",
                    help="graphchunk.blend_entries of the engine: blend chunks computed alone, or taken from the "
                         "full prefill that first carried them (the warm-up's, when its policy ranks the context)")

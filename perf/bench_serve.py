@@ -13,7 +13,9 @@ chunk pool takes half, sized to hold each level's working set, said in the JSON)
 * ``blend``: ``--worker-cls graphchunk.Runner`` with ``{"graphchunk": {"mode": "blend"}}`` (its
   default recompute policy), named so that the row is blend whatever graphchunk's default mode;
   ``blend:POLICY`` with that policy as the deployment's default; ``blend-context`` and
-  ``blend-context:POLICY`` the same with ``blend_entries: context`` (entries taken from full prefills).
+  ``blend-context:POLICY`` the same with ``blend_entries: context`` (entries taken from full prefills);
+  ``blend-prefix`` and ``blend-prefix:POLICY`` with ``blend_prefix: BLEND_PREFIX`` (every chunk
+  computed after that fixed text).
 
 Traffic (``serve_trace.py``): per concurrency level its own slice of a corpus of CPython help-topic
 documents (so cold on a level is first sight for that server), Zipf popularity, ``--docs-per-prompt``
@@ -81,18 +83,23 @@ KINDS = {"vanilla": None, "isolated": {"mode": "isolated"}, "blend": {"mode": "b
 mode with that recompute policy as the deployment's default."""
 
 
+BLEND_PREFIX = "Here is a document.\n\n"
+"""The fixed text of the ``blend-prefix`` kinds (measured on the HF oracle: docs/quality.md)."""
+
+
 def settings_of(kind: str) -> dict | None:
     """graphchunk's settings of server ``kind`` (``KINDS``, or ``blend:POLICY``)."""
     if kind in KINDS:
         return KINDS[kind]
     name, _, spec = kind.partition(":")
-    entries = {"blend-context": {"mode": "blend", "blend_entries": "context"}}.get(name)
+    entries = {"blend-context": {"mode": "blend", "blend_entries": "context"},
+               "blend-prefix": {"mode": "blend", "blend_prefix": BLEND_PREFIX}}.get(name)
     if entries is not None and not spec:
         return entries
-    setting = one_setting(spec) if name in ("blend", "blend-context") and spec else None
+    setting = one_setting(spec) if name in ("blend", "blend-context", "blend-prefix") and spec else None
     if setting is None or not setting.blend:
-        raise ValueError(f"unknown kind {kind!r}; known: {', '.join(KINDS)}, blend-context, blend:POLICY and "
-                         "blend-context:POLICY (e.g. blend:question:0.15@2)")
+        raise ValueError(f"unknown kind {kind!r}; known: {', '.join(KINDS)}, blend-context, blend-prefix, "
+                         "blend:POLICY, blend-context:POLICY and blend-prefix:POLICY (e.g. blend:question:0.15@2)")
     return {**(entries or {}), **{key.removeprefix("graphchunk_"): value for key, value in setting.extra.items()}}
 
 

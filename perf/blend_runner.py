@@ -52,6 +52,8 @@ def engine_kwargs(args, model_path: str, max_prompt: int) -> tuple[dict, dict, l
                       max_chunk_len=max(2048, 2 * args.doc_tokens))
     if args.blend_entries != "alone":
         graphchunk["blend_entries"] = args.blend_entries
+    if args.blend_prefix:
+        graphchunk["blend_prefix"] = args.blend_prefix
     notes = [f"max_num_batched_tokens = max_model_len = {max_model_len} >= longest prompt {max_prompt} + "
              f"{max_gen} generated, chunked prefill off: every prefill runs whole in one step, also in a batch "
              "(a blend policy selects among the chunk tokens of one step)",

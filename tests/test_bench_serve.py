@@ -131,6 +131,9 @@ def test_a_blend_kind_names_its_recompute_policy():
     assert GraphChunkConfig.from_dict(settings).policy.describe() == "question:0.15+sinks:2@4"
     assert settings_of("blend:legolink:15") == {"mode": "blend", "recompute": "legolink", "recompute_tokens": 15}
     assert settings_of("isolated") == {"mode": "isolated"} and settings_of("vanilla") is None
-    for bad in ("blend:vanilla", "blend:isolated:0.8", "other", "blend:question:x"):
+    prefixed = settings_of("blend-prefix:question:0.15")
+    assert prefixed["blend_prefix"] and GraphChunkConfig.from_dict(prefixed).blend_prefix == prefixed["blend_prefix"]
+    assert settings_of("blend-context") == {"mode": "blend", "blend_entries": "context"}
+    for bad in ("blend-prefix:vanilla", "blend:vanilla", "blend:isolated:0.8", "other", "blend:question:x"):
         with pytest.raises((ValueError, SystemExit)):
             settings_of(bad)

@@ -340,3 +340,34 @@ def test_a_capture_fills_entries_from_a_prefilled_request_out_of_the_jobs_order(
     assert runner.done_before == 0  # job 0 is queued, not run
     runner.run_jobs(device)
     assert runner.done_before == 3
+
+
+def test_a_fixed_prefix_is_computed_before_every_chunk_and_its_tokens_are_never_copied():
+    """``blend_prefix`` (``KeySpace.blend_prefix``): a blend miss job computes ``prefix ‖ chunk``
+    from position 0; the request gets each chunk token's KV (which attended to the prefix and the
+    chunk's earlier tokens) moved from m + j to where it lands, never the prefix's own; the key
+    and the entry's tokens carry the prefix. A capture (blend_entries 'context') fills such an entry
+    after where the prefix would be, at the same positions."""
+    from graphchunk.cache.context_plan import EntryCapture
+    from graphchunk.cache.context_run import ContextRunner
+
+    prefix = (90, 91, 92)
+    a = make_prompt(3, [5, 6])
+    device = BlendDevice()
+    cc = ChunkCache(ChunkPool(64, BS, first_block_id=1000), KeySpace("m", "f32", blend_prefix=prefix), 1000)
+    first = scheduled(a, RecomputePolicy("none"))
+    cc.materialize([first], device)
+    for i, (begin, end) in enumerate(a.bounds[1:-1]):
+        for t in range(begin, end):
+            assert device.kv[device.slot(first.block_ids, t)] == (prefix + tuple(a.chunk_tokens(i)[: t - begin + 1]), t)
+        entry = cc.pool.lookup(*cc.planner._identity(a, None, "blend", i))
+        assert entry.tokens == prefix + tuple(a.chunk_tokens(i)) and entry.num_tokens == len(prefix) + end - begin
+    plain = ChunkCache(ChunkPool(64, BS, first_block_id=1000), KeySpace("m", "f32"), 1000)
+    assert plain.planner._identity(a, None, "blend", 0)[0] != cc.planner._identity(a, None, "blend", 0)[0]
+    blocks = request_blocks(0, a)
+    for t in range(a.layout.num_tokens):
+        device.kv[device.slot(blocks, t)] = fresh_kv(a, t)
+    runner = ContextRunner(BS, 1000, CacheMetrics())
+    runner.capture([EntryCapture(0, "r", 3, 8, (2000, 2001), 1, offset=len(prefix))], device, {"r": blocks}.__getitem__)
+    assert [device.kv[device.slot((2000, 2001), len(prefix) + j)] for j in range(5)] == \
+        [(fresh_kv(a, 3 + j)[0], len(prefix) + j) for j in range(5)]

@@ -7,7 +7,8 @@ the workers must do with them:
 - an entry absent from the pool is inserted and given a ``MissJob`` that computes it as a
   pseudo-sequence with ordinary causal attention (sys at positions [0, S); an isolated chunk as
   ``sys ‖ chunk`` continuing the sys entry's KV, its partial last block copied first, positions
-  [S, S+L_i); a blend chunk alone at [0, L_i)), or loads it from the workers' tier;
+  [S, S+L_i); a blend chunk alone at [0, L_i), or after the blend prefix at [m, m+L_i)), or loads
+  it from the workers' tier;
 - an entry that an earlier job is still computing is waited for;
 - every segment becomes a ``UnitCopy``: the slots of the request's tokens ``[lo, hi)`` in the
   entry's blocks, copied into the request's own slots once every entry is ready.
@@ -47,7 +48,8 @@ class UnitCopy:
     begin: int
     kind: str
     """'sys'; 'chunk' (isolated: keys divided by the request's key temperature); 'rotated'
-    (blend: computed at [0, L), keys rotated to where the chunk lands)."""
+    (blend: computed at [offset, offset + L), after the blend prefix; keys rotated to where the
+    chunk lands)."""
     epoch: int = 0
     """The entry's epoch (``PoolEntry.epoch``): what its blocks must hold when the copy runs."""
 
@@ -83,7 +85,8 @@ class MissJob:
 class EntryCapture:
     """Fills a new blend entry from a request vLLM has just computed as a full prefill, after that
     step's forward: the request's tokens ``[lo, hi)`` (one chunk, computed in the context that preceded
-    it there) from its own slots into ``entry_blocks``, keys rotated back by ``lo`` to [0, hi - lo).
+    it there) from its own slots into ``entry_blocks`` from slot ``offset`` on (a chunk's: after where
+    the blend prefix would be), keys rotated back by ``lo - offset`` to [offset, offset + hi - lo).
     Runs in the step it is sent with; its ``job_id`` comes from the jobs' sequence (the entry is
     ready once the workers report past it)."""
 
@@ -93,6 +96,7 @@ class EntryCapture:
     hi: int
     entry_blocks: tuple[int, ...]
     epoch: int
+    offset: int = 0
 
 
 @dataclass
@@ -172,7 +176,8 @@ class ContextPlanner:
                 except PoolExhausted:
                     break
                 job_id = self._start_job(entry, [entry])
-                plan.captures.append(EntryCapture(job_id, req_id, lo, hi, tuple(entry.block_ids), entry.epoch))
+                offset = 0 if chunk is None else len(self.space.blend_prefix)
+                plan.captures.append(EntryCapture(job_id, req_id, lo, hi, tuple(entry.block_ids), entry.epoch, offset))
             if chunk is not None:
                 plan.counts += [("lookups", 1, "blend"), ("hits" if hit else "misses", 1, "blend")]
         return plan
@@ -208,10 +213,10 @@ class ContextPlanner:
 
     def _identity(self, seg, salt, mode, chunk: int | None) -> tuple[bytes, tuple[int, ...]]:
         """(key, tokens) of the sys prompt's entry (``chunk`` None) or of chunk ``chunk``'s: isolated,
-        ``sys ‖ chunk``; blend, the chunk alone."""
+        ``sys ‖ chunk``; blend, ``blend_prefix ‖ chunk`` (the chunk alone when there is no prefix)."""
         if chunk is None:
             return sys_key(self.space, seg.sys_tokens, salt, mode), tuple(seg.sys_tokens)
-        sys_tokens = tuple(seg.sys_tokens) if mode == "isolated" else ()
+        sys_tokens = tuple(seg.sys_tokens) if mode == "isolated" else tuple(self.space.blend_prefix)
         chunk_tokens = tuple(seg.chunk_tokens(chunk))
         return chunk_key(self.space, sys_tokens, chunk_tokens, salt, mode), sys_tokens + chunk_tokens
 
@@ -228,10 +233,11 @@ class ContextPlanner:
         metrics count chunk lookups only (a sys prompt is looked up once per chunk it precedes).
 
         Isolated: the entry holds ``sys ‖ chunk``'s KV from the sys prompt's partial last block on.
-        Blend: the chunk alone, at positions [0, L), from the first slot."""
+        Blend: ``blend_prefix ‖ chunk`` at positions [0, m + L) from the first slot, the chunk's first
+        token at slot (and position) m, the prefix's length."""
         chunk = seg.chunk_tokens(i)
         sys_tokens = seg.sys_tokens if mode == "isolated" else ()
-        offset = len(sys_tokens) % self.block_size
+        offset = len(sys_tokens) % self.block_size if mode == "isolated" else len(self.space.blend_prefix)
         start = time.perf_counter()
         key, tokens = self._identity(seg, salt, mode, i)
         entry = self._lookup(key, tokens, plan)
@@ -240,7 +246,7 @@ class ContextPlanner:
         if entry is None:
             entry = self._insert(key, tokens, offset + len(chunk), plan)
             if mode == "blend":
-                self._add_job(plan, entry, chunk, entry.block_ids, 0, mode, [entry])
+                self._add_job(plan, entry, tokens, entry.block_ids, 0, mode, [entry])
             else:
                 sys_blocks = sys_entry.block_ids[: len(sys_tokens) // self.block_size] if sys_entry else []
                 partial = (sys_entry.block_ids[-1], entry.block_ids[0]) if offset else None

@@ -10,8 +10,9 @@ id not yet finished: the plans' scheduler learns it after each step.
 
 ``capture`` fills new blend entries from a request vLLM computed as a full prefill, after the
 forward of the step that computed it (``EntryCapture``: each chunk's KV as that prefill computed
-it, in the context before it there, keys rotated back to [0, L)); it runs whole in its step, out
-of the jobs' order, so ``done_before`` is the first queued job's id, or past every id seen.
+it, in the context before it there, keys rotated back to where a chunk sits in an entry, after the
+blend prefix if any); it runs whole in its step, out of the jobs' order, so ``done_before`` is
+the first queued job's id, or past every id seen.
 
 ``fill`` copies the context of requests whose jobs have all run from the pool into their own
 slots (chunk keys divided by the request's key temperature when it is not 1; blend chunks'
@@ -167,8 +168,8 @@ class ContextRunner:
                 self.epochs[block] = capture.epoch
             n = capture.hi - capture.lo
             parts.append((slots_of(blocks_of(capture.req_id), np.arange(capture.lo, capture.hi), self.block_size),
-                          slots_of(capture.entry_blocks, np.arange(n), self.block_size),
-                          np.full(n, -capture.lo, np.int64)))
+                          slots_of(capture.entry_blocks, capture.offset + np.arange(n), self.block_size),
+                          np.full(n, capture.offset - capture.lo, np.int64)))
             self._next_id = max(self._next_id, capture.job_id + 1)
         device.copy_slots_rotated(*(np.concatenate(part) for part in zip(*parts)))
         self.metrics.blend_entries_captured += len(captures)
@@ -219,8 +220,8 @@ class ContextRunner:
                 src = slots_of(unit.entry_blocks, unit.offset + np.arange(unit.lo - unit.begin, unit.hi - unit.begin),
                                self.block_size)
                 dst = slots_of(prompt.block_ids, np.arange(unit.lo, unit.hi), self.block_size)
-                if unit.kind == "rotated":
-                    rotated.append((src, dst, np.full(unit.hi - unit.lo, unit.begin, np.int64)))
+                if unit.kind == "rotated":  # stored at [offset, offset + L): the prefix's positions first
+                    rotated.append((src, dst, np.full(unit.hi - unit.lo, unit.begin - unit.offset, np.int64)))
                 else:
                     temperature = prompt.key_temperature if unit.kind == "chunk" else 1.0
                     copies.setdefault(temperature, []).append((src, dst))

@@ -2,7 +2,8 @@
 
 In isolated mode every layer after the first mixes ``sys`` into a chunk, so a chunk's KV is a
 function of (model, dtype, parallel layout, sys tokens, chunk tokens), and ``cache_salt`` keeps
-tenants apart. A blend chunk is computed alone, so its key has no sys tokens; the mode is part of
+tenants apart. A blend chunk is computed alone (after the deployment's fixed ``blend_prefix``, if
+any), so its key has no sys tokens, only that prefix in their place; the mode is part of
 every key, so isolated and blend entries never satisfy each other's lookups. The key is a 128-bit
 xxhash of all of them; a hit is still verified against the stored tokens, since a hash makes
 collisions unlikely, not impossible.
@@ -23,6 +24,9 @@ class KeySpace:
     model: str
     dtype: str
     parallel_layout: str = "tp1-pp1"
+    blend_prefix: tuple[int, ...] = ()
+    """Tokens computed before every blend chunk (``GraphChunkConfig.blend_prefix``): a blend
+    chunk's key and entry are those of ``blend_prefix ‖ chunk``."""
 
     def header(self, cache_salt: str | None) -> bytes:
         fields = (self.model, self.dtype, self.parallel_layout, cache_salt or "")

@@ -408,6 +408,8 @@ def _entries() -> tuple[Name, ...]:
         add(n(CFG, f"VllmConfig.{attr}", "attribute", f"{WK}, {PL}, {GC}", CONFIG))
     for attr in ("model", "revision", "dtype", "max_model_len", "hf_config", "uses_mrope", "enforce_eager"):
         add(n(CFG, f"ModelConfig.{attr}", "attribute", f"{WK}, {KB}, {GC}, {PL}", CONFIG))
+    for attr in ("tokenizer", "tokenizer_revision", "trust_remote_code"):
+        add(n(CFG, f"ModelConfig.{attr}", "attribute", KB, CONFIG + " (the tokenizer that encodes blend_prefix)"))
     add(n(CFG, "ModelConfig.is_moe", "attribute", WK, CONFIG + " (data parallelism is refused for mixture-of-experts "
           "models only: vLLM coordinates their ranks' forwards)"))
     add(n(CFG, "ModelConfig.get_num_layers", "call", WK, CONFIG, ("parallel_config",)))

@@ -70,7 +70,8 @@ def bind_engine(runner, config: GraphChunkConfig, first_pool_block: int) -> Chun
     model = runner.model_config
     # With a tier, keys name the weights (shared with other servers), else the model's path.
     space = KeySpace(model=tier.identity.weights_digest if tier else f"{model.model}@{model.revision or ''}",
-                     dtype=str(model.dtype), parallel_layout=_parallel_layout(runner.parallel_config))
+                     dtype=str(model.dtype), parallel_layout=_parallel_layout(runner.parallel_config),
+                     blend_prefix=blend_prefix_tokens(model, config.blend_prefix))
     max_tokens = runner.scheduler_config.max_num_batched_tokens
     context_runner = ContextRunner(block_size, max_tokens, metrics, check_layer=config.check_layer, tier=tier)
     blend = BlendSupport.of(runner.model, model.max_model_len, config)
@@ -146,3 +147,20 @@ def tp_min(value: int) -> int:
 
 def _parallel_layout(parallel_config) -> str:
     return f"tp{parallel_config.tensor_parallel_size}-pp{parallel_config.pipeline_parallel_size}"
+
+
+def blend_prefix_tokens(model, text: str) -> tuple[int, ...]:
+    """``text`` (``GraphChunkConfig.blend_prefix``) as the model's tokenizer encodes it, without
+    special tokens (the tokenizer vLLM serves the model with: its name, revision and remote-code
+    setting); () for no text."""
+    if not text:
+        return ()
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model.tokenizer, revision=model.tokenizer_revision,
+                                                           trust_remote_code=model.trust_remote_code)
+    ids = tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
+    if not ids:
+        raise ConfigError(f"graphchunk.blend_prefix={text!r} encodes to no tokens")
+    logger.info("graphchunk: blend chunks are computed after a fixed prefix of %d tokens (%r)", len(ids), text)
+    return ids
