@@ -231,3 +231,25 @@ def test_attention_to_cached_is_each_layers_softmax_summed(monkeypatch):
     monkeypatch.setattr(runner_kv, "_SCORE_ELEMENTS", 2 * heads * n * (num_cached + n))
     got = runner_kv._attention_to_cached(queries, keys, num_cached, layers)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_recording_queries_restores_each_backend_as_it_was():
+    """The pass wraps each layer's backend ``forward`` (one wrapper per backend, even one shared by
+    two layers) and leaves it as it found it: the class's method, or an instance's own forward."""
+    from types import SimpleNamespace
+
+    from graphchunk.engine.runner_kv import _recording_queries
+
+    class Impl:
+        def forward(self, layer, query, *args, **kwargs):
+            return "class"
+
+    shared, patched = Impl(), Impl()
+    patched.forward = lambda layer, query, *args, **kwargs: "own"
+    layers = [SimpleNamespace(impl=shared), SimpleNamespace(impl=shared), SimpleNamespace(impl=patched)]
+    queries: dict = {}
+    with _recording_queries(layers, queries):
+        outs = [layer.impl.forward(layer, torch.full((1,), float(i))) for i, layer in enumerate(layers)]
+    assert outs == ["class", "class", "own"] and sorted(queries) == [0, 1, 2]
+    assert [float(queries[i][0]) for i in range(3)] == [0.0, 1.0, 2.0]
+    assert "forward" not in vars(shared) and patched.forward(None, None) == "own"

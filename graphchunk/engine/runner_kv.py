@@ -164,13 +164,17 @@ def _recording_queries(layers: list[torch.nn.Module], queries: dict[int, torch.T
             return forward(layer, query, *args, **kwargs)
         return recording
 
+    own = [(impl, vars(impl).get("forward")) for impl in impls]  # an instance's own forward, kept
     for impl in impls:
         impl.forward = wrap(impl.forward)
     try:
         yield
     finally:
-        for impl in impls:
-            del impl.forward
+        for impl, forward in own:
+            if forward is None:
+                del impl.forward
+            else:
+                impl.forward = forward
 
 
 _SCORE_ELEMENTS = 1 << 18
