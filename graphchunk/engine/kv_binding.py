@@ -86,7 +86,7 @@ def bind_engine(runner, config: GraphChunkConfig, first_pool_block: int) -> Chun
     if blend.refusal is None and pool_blocks * block_size >= warm > WARM_UP_QUESTION:
         start = time.perf_counter()
         engine.kv.warm_up(list(range(first_pool_block, first_pool_block + -(-warm // block_size))), warm)
-        logger.info("graphchunk: blend's question-aware scoring pass warmed up in %.0f ms",
+        logger.info("graphchunk: vLLM's plain forward (blend's shallow scoring and check passes) warmed up in %.0f ms",
                     1000 * (time.perf_counter() - start))
     WORKER.engine = engine
     return engine

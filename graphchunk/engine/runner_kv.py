@@ -20,8 +20,8 @@ through vLLM's compiled graph (its plain forward for a policy with ``layers``, w
 first layers), recording the query each attention layer hands its backend (``impl.forward``, which
 vLLM calls from its attention custom op, outside the compiled graph); its attention to the context
 is then computed from those queries and the keys in the cache, as the layer's softmax would (scale,
-grouped heads). The compiled graph runs the pass in 0.8x the plain forward's time (141 against 177
-ms for a 30-token question over 1000 tokens on the 2-core CPU, scoring included).
+grouped heads). A 16-token question over 512 tokens: 74 ms, against the plain forward's 78 alone
+(``perf/results/forward_cost.json``, one run on the 2-core CPU).
 
 KV copies, key reads and the tier's block reads and writes go to ``KVCopier`` (``cache/kv_slots.py``),
 which knows the backend's layout; rotated copies need blend's key rotation (``blend_support.py``).
@@ -111,15 +111,19 @@ class RunnerKV:
             runner.model(input_ids=to(ids), positions=to(positions), intermediate_tensors=None, inputs_embeds=None)
 
     def warm_up(self, block_ids: list[int], num_tokens: int) -> None:
-        """Runs blend's question-aware scoring pass once, a question of ``WARM_UP_QUESTION`` tokens
-        over the rest of ``num_tokens`` cached in ``block_ids`` (pool blocks no entry holds yet;
-        what it writes there is never read), so that the first blended request does not pay the
-        pass's first-run cost (1.7 s of a 2.2 s request measured on the 2-core CPU when the pass
-        ran vLLM's plain forward, which nothing else runs before it; a one-token pass does not warm it)."""
+        """Runs blend's question-aware scoring pass once through vLLM's plain forward, a question of
+        ``WARM_UP_QUESTION`` tokens over the rest of ``num_tokens`` cached in ``block_ids`` (pool
+        blocks no entry holds yet; what it writes there is never read): the plain forward of a
+        multi-token prefill runs nowhere else before a request needs it (a shallow question policy's
+        scoring pass, CacheBlend's check pass, the question policy's fallback to it), and its first
+        run costs that request 0.3-1.7 s on the 2-core CPU (a one-token pass does not warm it). The
+        full-depth scoring pass runs vLLM's compiled graph, which vLLM's own warm-up has run: its
+        first call costs what later ones do, with or without this."""
         context, tokens = num_tokens - WARM_UP_QUESTION, (0,) * num_tokens
         with torch.inference_mode():
             self.prefill([PseudoSeq(tokens[:context], np.arange(context), tuple(block_ids), 0)])
-            self.context_attention([PseudoSeq(tokens, np.arange(len(tokens)), tuple(block_ids), context)])
+            self.context_attention([PseudoSeq(tokens, np.arange(len(tokens)), tuple(block_ids), context)],
+                                   num_layers=len(self.layers))
 
     def request_blocks(self, req_id: str) -> list[int]:
         """The block ids vLLM's runner holds for request ``req_id`` (its one KV-cache group's)."""
