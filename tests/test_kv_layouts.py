@@ -155,8 +155,10 @@ def test_slot_copy(layout, backend, dtype, gather, key_temperature):
 @pytest.mark.parametrize("layout,backend,dtype", CASES, ids=IDS)
 def test_rotated_copy_and_key_reads(layout, backend, dtype, gather):
     """Blend's copy: K rotated by each slot's delta, V as is, every layer; ``read_keys`` (CacheBlend's
-    check) reads back the keys written, which on GPU layouts are the logical view's."""
-    deltas = np.arange(70) % 7 + 190
+    check) reads back the keys written, which on GPU layouts are the logical view's. Deltas of both
+    signs: a chunk lands later than it was stored, or earlier (a capture rotates back to where its
+    entry holds it; a chunk stored after the blend prefix lands before the prefix's length)."""
+    deltas = (np.arange(70) % 7 + 190) * np.where(np.arange(70) % 2, -1, 1)
     caches, keys, values = filled(layout, backend, dtype, seed=2)
     want = moved(layout, backend, dtype, caches, keys, values, deltas)
     copier = copier_for(caches, backend, dtype)
