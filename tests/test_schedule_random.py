@@ -39,6 +39,7 @@ from graphchunk.engine.chunk_engine import ChunkEngine
 from graphchunk.engine.connector import GraphChunkHandshake, GraphChunkWorkerMeta, connector_config, work_of
 from graphchunk.engine.context_scheduler import PoolHandshake, computed_before
 from graphchunk.engine.frontend import RequestAnnotator, chunk_request
+from graphchunk.engine.kv_binding import blend_prefix_tokens
 from graphchunk.metrics import METRICS_FILE_ENV, CacheMetrics
 
 BLOCK = 16
@@ -50,6 +51,8 @@ RANKS = 2
 SEEDS = int(os.environ.get("GRAPHCHUNK_SCHEDULE_SEEDS", 24))
 STEPS = 160
 GC = {"mode": "isolated", "max_chunks": 4, "max_chunk_len": 120, "miss_budget": 40}
+PREFIX = "Here is a document.\n\n"
+"""blend_prefix of every third seed."""
 
 
 class ContentDevice:
@@ -104,10 +107,11 @@ class ContentDevice:
             self.kv[d] = None if value is None else (value[0], value[1] + delta)
 
 
-def expected(request, t: int) -> set:
+def expected(request, t: int, prefix: tuple[int, ...] = ()) -> set:
     """The KV context token ``t`` may hold by the request's semantics (DESIGN.md §2): isolated, a
     chunk token after the sys prompt at positions from S; blend (policy 'legolink' k=2 or 'none'),
-    a chunk computed alone, moved to where it lands, its first tokens recomputed over the whole
+    a chunk computed alone (after the deployment's blend ``prefix``, which the request never holds
+    itself), moved to where it lands, its first tokens recomputed over the whole
     prefix; 'cacheblend' r=1, every token recomputed: full prefill's; 'question' r=0.3, each chunk
     token either (which ones its ranking picks is test_blend's and test_blend_exact's to check)."""
     seg, policy = request.seg, request.policy
@@ -115,9 +119,10 @@ def expected(request, t: int) -> set:
         return {(tuple(seg.sys_tokens[: t + 1]), t)}
     for i, (begin, end) in enumerate(seg.bounds[1:-1]):
         if begin <= t < end:
-            fresh, alone = (tuple(seg.token_ids[: t + 1]), t), (tuple(seg.chunk_tokens(i)[: t - begin + 1]), t)
+            own = tuple(seg.chunk_tokens(i)[: t - begin + 1])
             if policy is None:
-                return {(tuple(seg.sys_tokens) + alone[0], seg.layout.sys_len + t - begin)}
+                return {(tuple(seg.sys_tokens) + own, seg.layout.sys_len + t - begin)}
+            fresh, alone = (tuple(seg.token_ids[: t + 1]), t), (prefix + own, t)
             if policy.name == "legolink" and t - begin < policy.tokens or policy.ratio == 1:
                 return {fresh}
             return {fresh, alone} if policy.needs_check else {alone}
@@ -136,7 +141,7 @@ class Workers:
     """Two tensor-parallel ranks of graphchunk's worker engine, each over its own fake device."""
 
     def __init__(self, config: GraphChunkConfig, handshake: PoolHandshake, rng: random.Random):
-        self.rng, self.config = rng, config
+        self.rng, self.config, self.prefix = rng, config, handshake.space.blend_prefix
         self.engines = []
         for _ in range(RANKS):
             runner = ContextRunner(BLOCK, BUDGET, CacheMetrics())
@@ -197,7 +202,7 @@ class Workers:
             request = load.request
             for t in range(request.seg.layout.context_len):
                 got = engine.kv.kv.get(engine.kv.slot(load.block_ids, t))
-                assert got in expected(request, t) or context and request.policy is not None and \
+                assert got in expected(request, t, self.prefix) or context and request.policy is not None and \
                     t >= request.seg.layout.sys_len and in_context(request, t, got), \
                     f"request {load.req_id}: context token {t} holds {got}"
 
@@ -244,7 +249,9 @@ def make_vllm_scheduler(smollm2_path, gc: dict, asynchronous: bool = False):
     if asynchronous:
         from vllm.v1.core.sched.async_scheduler import AsyncScheduler as Scheduler  # noqa: N814
     scheduler = Scheduler(config, kv_cache_config, StructuredOutputManager(config), block_size=BLOCK)
-    handshake = PoolHandshake(KV_BLOCKS, POOL_BLOCKS, BLOCK, KeySpace("m", "f32"), None, None)
+    # As the workers tell it: blend_prefix tokenized by the model's tokenizer (kv_binding's own function).
+    space = KeySpace("m", "f32", blend_prefix=blend_prefix_tokens(model, gc.get("blend_prefix", "")))
+    handshake = PoolHandshake(KV_BLOCKS, POOL_BLOCKS, BLOCK, space, None, None)
     with mock.patch.dict(os.environ):
         os.environ.pop(METRICS_FILE_ENV, None)
         scheduler.connector.set_xfer_handshake_metadata({rank: GraphChunkHandshake(handshake) for rank in range(RANKS)})
@@ -338,9 +345,10 @@ def test_random_request_streams_fill_exactly_what_they_planned(vllm_scheduler, s
     rng = random.Random(seed)
     # Blend requests whose misses cost more than their prefill: vLLM's full prefill on odd seeds
     # (their entries computed alone for later requests, or taken from that prefill on seeds 1 mod 4),
-    # blended on even ones.
+    # blended on even ones; every third seed computes blend chunks after a fixed prefix.
     scheduler, handshake, hasher = vllm_scheduler(asynchronous, blend_misses="prefill" if seed % 2 else "blend",
-                                                  blend_entries="context" if seed % 4 == 1 else "alone")
+                                                  blend_entries="context" if seed % 4 == 1 else "alone",
+                                                  blend_prefix=PREFIX if seed % 3 == 2 else "")
     config = scheduler.connector._config
     pool = scheduler.connector._context().pool
     workers, stream = Workers(config, handshake, rng), Stream(rng, config, hasher)
