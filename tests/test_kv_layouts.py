@@ -62,13 +62,18 @@ def filled(layout, backend, dtype, seed: int):
     return caches, keys, values
 
 
-def copier_for(caches, backend, dtype) -> KVCopier:
+def copier_for(caches, backend, dtype, path: str = "strided") -> KVCopier:
     """The runner's path (``kv_binding.probe_kv_layout``): probe on layer 0's real cache, verify
-    on its last slot, one copier over every layer."""
+    on its last slot, one copier over every layer, writing through the backend's op as the
+    runner's does. ``path`` 'gather' and 'gather-elements' take the path of layouts that are not
+    affine (flat gathers), written through the backend's op or element by element."""
     write_kv = writer(backend, dtype)
     slot_map = KVSlotMap.probe(write_kv, caches[0], 0, BS, HEADS, DIM)
     slot_map.verify(write_kv, caches[0], BLOCKS * BS - 1)
-    return KVCopier(caches, slot_map, BLOCKS, 0)
+    copier = KVCopier(caches, slot_map, BLOCKS, 0, writers=None if path == "gather-elements" else [write_kv] * LAYERS)
+    if path != "strided":
+        copier.views = None
+    return copier
 
 
 def logical_keys(cache: torch.Tensor, slots: np.ndarray) -> torch.Tensor:
@@ -134,26 +139,27 @@ def test_flash_write_reference_follows_the_logical_view(layout, dtype):
 
 # --- graphchunk's copies ---------------------------------------------------------------------------
 
+PATHS = ["strided", "gather", "gather-elements"]
+
+
 @pytest.mark.parametrize("key_temperature", [1.0, 0.7], ids=["plain", "temperature"])
-@pytest.mark.parametrize("gather", [False, True], ids=["strided", "gather"])
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("layout,backend,dtype", CASES, ids=IDS)
-def test_slot_copy(layout, backend, dtype, gather, key_temperature):
+def test_slot_copy(layout, backend, dtype, path, key_temperature):
     """``copy_slots`` (an isolated chunk placed at an offset that is not block-aligned) leaves every
     layer exactly as writing the source's K/V at the destination through the backend would (with
     isolated mode's key temperature: K divided by it, V as is)."""
     caches, keys, values = filled(layout, backend, dtype, seed=1)
     want = moved(layout, backend, dtype, caches, keys, values, key_temperature=key_temperature)
-    copier = copier_for(caches, backend, dtype)
-    if gather:
-        copier.views = None  # the flat-gather path for layouts that are not affine
+    copier = copier_for(caches, backend, dtype, path)
     copier.copy_slots(SRC, DST, key_temperature)
     for layer, (got, expected) in enumerate(zip(caches, want)):
         assert torch.equal(got, expected), f"layer {layer}"
 
 
-@pytest.mark.parametrize("gather", [False, True], ids=["strided", "gather"])
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("layout,backend,dtype", CASES, ids=IDS)
-def test_rotated_copy_and_key_reads(layout, backend, dtype, gather):
+def test_rotated_copy_and_key_reads(layout, backend, dtype, path):
     """Blend's copy: K rotated by each slot's delta, V as is, every layer; ``read_keys`` (CacheBlend's
     check) reads back the keys written, which on GPU layouts are the logical view's. Deltas of both
     signs: a chunk lands later than it was stored, or earlier (a capture rotates back to where its
@@ -161,9 +167,7 @@ def test_rotated_copy_and_key_reads(layout, backend, dtype, gather):
     deltas = (np.arange(70) % 7 + 190) * np.where(np.arange(70) % 2, -1, 1)
     caches, keys, values = filled(layout, backend, dtype, seed=2)
     want = moved(layout, backend, dtype, caches, keys, values, deltas)
-    copier = copier_for(caches, backend, dtype)
-    if gather:
-        copier.views = None
+    copier = copier_for(caches, backend, dtype, path)
     copier.copy_slots_rotated(SRC, DST, deltas, rotation())
     rotated = rotation().rotate(keys[:, SRC], torch.from_numpy(deltas))
     for layer, (got, expected) in enumerate(zip(caches, want)):

@@ -85,15 +85,16 @@ class KeyRotation:
         table = self.cos_sin.to(k.device)[deltas.abs()]  # [n, rotary_dim]
         # R(-d) = R(d)^-1: the same cosine, the sine negated (indexing the table by -d would read its end).
         cos, sin = table[:, None, :half], table[:, None, half:] * deltas.sign()[:, None, None]  # [n, 1, half]
-        x = k.float()
+        x = k.to(torch.float32, copy=True)  # rotated in place below, in float32 whatever k's dtype
         rot = x[..., : self.rotary_dim]
         if self.is_neox_style:
             x1, x2 = rot[..., :half], rot[..., half:]
-            rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
         else:  # GPT-J style: interleaved pairs
             x1, x2 = rot[..., 0::2], rot[..., 1::2]
-            rotated = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
-        return torch.cat((rotated, x[..., self.rotary_dim:]), dim=-1).to(k.dtype)
+        first = x1.clone()
+        x1.mul_(cos).addcmul_(x2, sin, value=-1)  # x1 cos - x2 sin
+        x2.mul_(cos).addcmul_(first, sin)  # x2 cos + x1 sin
+        return x.to(k.dtype)
 
 
 _HF_FIXED = ("default", "linear", "llama3", "yarn")

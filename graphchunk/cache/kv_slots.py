@@ -11,8 +11,9 @@ offset, K/V, head, dim) landed in storage, and checks the map once on the real c
 unused pool slot (``KVSlotMap.verify``). Offsets are relative to a layer's first element, so they
 hold for every layer of any layout. When, as for every backend seen so far, each of K and V is an
 affine (strided) map of (block, offset, head, dim), copies run as strided slice copies over all
-layers at once, one per run of slots that are consecutive on both sides; otherwise as flat
-element gathers. Isolated mode's key temperature divides K as it is copied (V as is). Blend mode's copies move keys to another position (``copy_slots_rotated``): K is
+layers at once, one per run of slots that are consecutive on both sides; otherwise (vLLM's CPU
+backend in bf16 packs K for its AMX kernels) the sources' K/V are gathered element by element and
+written through the backend's own write op. Isolated mode's key temperature divides K as it is copied (V as is). Blend mode's copies move keys to another position (``copy_slots_rotated``): K is
 gathered for all layers and tokens at once, rotated (``rope.KeyRotation``) and scattered; V is
 copied as is.
 """
@@ -130,10 +131,15 @@ def _storage_view(cache: torch.Tensor) -> torch.Tensor:
 class KVCopier:
     """Copies slot KV between places in every layer's cache (positions unchanged: no rotation)."""
 
-    def __init__(self, caches: list[torch.Tensor], slot_map: KVSlotMap, num_blocks: int, block_dim: int = 0):
+    def __init__(self, caches: list[torch.Tensor], slot_map: KVSlotMap, num_blocks: int, block_dim: int = 0,
+                 writers=None):
+        """``writers``: per layer, the backend's KV-write op ``write(key, value, cache, slots)`` (K/V
+        [n, heads, head_size], ``slots`` a device tensor), through which copies on a layout that is
+        not affine write (without them, element by element into storage)."""
         self.caches = caches
         self.slot_map = slot_map
         self.block_dim = block_dim
+        self.writers = writers
         self.layer_stride = _uniform_layer_stride(caches)
         self.views = self._strided_views(num_blocks) if None not in slot_map.strides else None
 
@@ -156,17 +162,7 @@ class KVCopier:
         """Copies every layer's K and V of slots ``src`` to ``dst``; keys divided by ``key_temperature``
         (isolated mode's temperature) unless it is 1, when the elements move unchanged."""
         if self.views is None:
-            device = self.caches[0].device
-            if key_temperature == 1:
-                src_off, dst_off = (self.slot_map.offsets(s).to(device) for s in (src, dst))
-            else:
-                src_off, dst_off = (self.slot_map.value_offsets(s).to(device) for s in (src, dst))  # K below
-                k_src, k_dst = (self.slot_map.key_offsets(s).flatten().to(device) for s in (src, dst))
-            for cache in self.caches:
-                flat = _storage_view(cache)
-                flat[dst_off] = flat[src_off]
-                if key_temperature != 1:
-                    flat[k_dst] = flat[k_src] / key_temperature
+            self._move(src, dst, None if key_temperature == 1 else lambda keys: keys / key_temperature)
             return
         if key_temperature == 1:
             self._copy_runs(src, dst, self.views)
@@ -188,12 +184,7 @@ class KVCopier:
         storage at equal spacing."""
         deltas = torch.from_numpy(np.asarray(deltas, np.int64))
         if self.views is None:
-            src_off, dst_off = (self.slot_map.key_offsets(s).to(self.caches[0].device) for s in (src, dst))
-            v_src, v_dst = (self.slot_map.value_offsets(s).to(self.caches[0].device) for s in (src, dst))
-            for cache in self.caches:
-                flat = _storage_view(cache)
-                flat[dst_off] = rotation.rotate(flat[src_off], deltas)
-                flat[v_dst] = flat[v_src]
+            self._move(src, dst, lambda keys: rotation.rotate(keys, deltas))
             return
         half = len(self.views) // 2
         self._copy_runs(src, dst, self.views[half:])
@@ -202,13 +193,36 @@ class KVCopier:
         for view in self.views[:half]:
             view[..., db, do, :, :] = rotation.rotate(view[..., sb, so, :, :], deltas)
 
+    def _move(self, src: np.ndarray, dst: np.ndarray, key=None) -> None:
+        """Every layer's K and V of slots ``src`` to ``dst`` on a layout that is not affine: gathered
+        element by element, K through ``key`` (a function of [n, heads, head_size]) when given, and
+        written through the backend's write op (without one, element by element)."""
+        device, n, shape = self.caches[0].device, len(src), self.slot_map.coords.shape[2:]
+        k_src, k_dst = (self.slot_map.key_offsets(s).to(device) for s in (src, dst))
+        v_src, v_dst = (self.slot_map.value_offsets(s).view(n, *shape).to(device) for s in (src, dst))
+        where = torch.from_numpy(np.asarray(dst, np.int64)).to(device)
+        for layer, cache in enumerate(self.caches):
+            flat = _storage_view(cache)
+            keys, values = flat[k_src], flat[v_src]
+            keys = keys if key is None else key(keys)
+            if self.writers is None:
+                flat[k_dst], flat[v_dst] = keys, values
+            else:
+                self.writers[layer](keys, values, cache, where)
+
     def read_keys(self, layer: int, slots: np.ndarray) -> torch.Tensor:
         """K of ``slots`` at ``layer``: [n, heads, head_size] (a copy)."""
+        return self.read_layer_keys(slots, [layer])[0]
+
+    def read_layer_keys(self, slots: np.ndarray, layers) -> list[torch.Tensor]:
+        """K of ``slots`` at each of ``layers`` (indices): [n, heads, head_size] each (copies); where
+        the slots are is worked out once for all of them."""
         if self.views is None:
-            return _storage_view(self.caches[layer])[self.slot_map.key_offsets(slots).to(self.caches[0].device)]
+            where = self.slot_map.key_offsets(slots).to(self.caches[0].device)
+            return [_storage_view(self.caches[layer])[where] for layer in layers]
         blocks, offsets = (torch.from_numpy(x) for x in _block_offset(slots, self.slot_map.block_size))
-        keys = self.views[0][layer] if self.layer_stride is not None else self.views[layer]
-        return keys[blocks, offsets]
+        return [(self.views[0][layer] if self.layer_stride is not None else self.views[layer])[blocks, offsets]
+                for layer in layers]
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """Whole blocks of every layer, as a host tensor [layers, blocks, *one block]."""

@@ -182,7 +182,8 @@ GRAPH = ("graphchunk's grid becomes capture sizes of vLLM's own graphs; vLLM has
          "plugin to add capture sizes")
 TP = "tensor-parallel collectives over vLLM's TP group (not documented for plugins)"
 BACKEND_WRITE = ("graphchunk probes each attention backend's KV placement through the backend's own "
-                 "KV write (kv_binding.probe_kv_layout); there is no layout query")
+                 "KV write (kv_binding.probe_kv_layout); there is no layout query; copies on a layout that is "
+                 "not affine (the CPU backend's AMX tiles) write through it too (kv_binding.backend_write)")
 BACKEND_SCALE = "the question-aware recompute scores attention as the layer's softmax would (its scale)"
 BACKEND_QUERY = ("the question-aware recompute's scoring pass records each attention layer's query by wrapping "
                  "its impl.forward (an instance attribute, removed after the pass), which vLLM's attention custom op "

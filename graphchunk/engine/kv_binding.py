@@ -62,7 +62,8 @@ def bind_engine(runner, config: GraphChunkConfig, first_pool_block: int) -> Chun
     num_blocks = runner.kv_cache_config.num_blocks
     block_dim = list(layers[0].kv_cache.shape).index(num_blocks)
     slot_map = probe_kv_layout(layers[0], groups[0].kv_cache_spec, block_dim, num_blocks)
-    copier = KVCopier([layer.kv_cache for layer in layers], slot_map, num_blocks, block_dim)
+    copier = KVCopier([layer.kv_cache for layer in layers], slot_map, num_blocks, block_dim,
+                      writers=[backend_write(layer) for layer in layers])
     metrics = CacheMetrics()
     block_size = runner.cache_config.block_size
     pool_blocks = config.pool_blocks(block_size)
@@ -92,13 +93,19 @@ def bind_engine(runner, config: GraphChunkConfig, first_pool_block: int) -> Chun
     return engine
 
 
+def backend_write(layer):
+    """``layer``'s KV-write op, ``write(key, value, cache, slot_mapping)``: its backend's
+    ``do_kv_cache_update``, what vLLM's attention calls to write a step's K/V."""
+    def write_kv(key, value, cache, slot_mapping):
+        layer.impl.do_kv_cache_update(layer, key, value, cache, slot_mapping)
+    return write_kv
+
+
 def probe_kv_layout(layer, spec, block_dim: int, num_blocks: int) -> KVSlotMap:
     """The backend's placement of a slot's K/V in the real cache: probed through its own write op
     on a scratch with the real cache's strides (vLLM's resolved ``KVCacheLayout``), then checked
     on the real cache's last pool slot (past the scheduler's ``num_blocks``), unused at start-up."""
-    def write_kv(key, value, cache, slot_mapping):
-        layer.impl.do_kv_cache_update(layer, key, value, cache, slot_mapping)
-
+    write_kv = backend_write(layer)
     slot_map = KVSlotMap.probe(write_kv, layer.kv_cache, block_dim, spec.block_size, spec.num_kv_heads,
                                spec.head_size)
     slot_map.verify(write_kv, layer.kv_cache, num_blocks * spec.block_size - 1)

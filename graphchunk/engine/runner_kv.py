@@ -63,7 +63,7 @@ class RunnerKV:
         scores, at = [], 0
         for seq in seqs:
             slots = slots_of(seq.block_ids, np.arange(len(seq.token_ids)), bs)
-            keys = [self.copier.read_keys(index, slots) for index in range(len(layers))]
+            keys = self.copier.read_layer_keys(slots, range(len(layers)))
             own = [queries[index][at:at + seq.num_new] for index in range(len(layers))]
             scores.append(self.sum_over_ranks(_attention_to_cached(own, keys, seq.num_cached, layers)))
             at += seq.num_new
