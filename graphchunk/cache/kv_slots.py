@@ -9,13 +9,14 @@ assumes neither: it writes probe values through the backend's own KV-write op in
 scratch with the real cache's very strides (``KVSlotMap.probe``), reads back where each (slot
 offset, K/V, head, dim) landed in storage, and checks the map once on the real cache's own
 unused pool slot (``KVSlotMap.verify``). Offsets are relative to a layer's first element, so they
-hold for every layer of any layout. When, as for every backend seen so far, each of K and V is an
-affine (strided) map of (block, offset, head, dim), copies run as strided slice copies over all
-layers at once, one per run of slots that are consecutive on both sides; otherwise (vLLM's CPU
-backend in bf16 packs K for its AMX kernels) the sources' K/V are gathered element by element and
-written through the backend's own write op. Isolated mode's key temperature divides K as it is copied (V as is). Blend mode's copies move keys to another position (``copy_slots_rotated``): K is
-gathered for all layers and tokens at once, rotated (``rope.KeyRotation``) and scattered; V is
-copied as is.
+hold for every layer of any layout. When each of K and V is an affine (strided) map of (block,
+offset, head, dim), as on every GPU backend and on the CPU backend in fp32, copies run as strided
+slice copies over all layers at once, one per run of slots that are consecutive on both sides.
+Otherwise (the CPU backend in bf16 on CPUs with AMX tiles K for its kernel) the sources' K/V are
+gathered element by element, layer by layer, and written through the backend's own KV-write op
+(``writers``). Isolated mode's key temperature divides K as it is copied (V as is). Blend mode's
+copies (``copy_slots_rotated``) rotate K on the way (``rope.KeyRotation``): on an affine layout K
+is gathered for all layers and tokens at once, rotated and scattered; V is copied as is.
 """
 from __future__ import annotations
 
