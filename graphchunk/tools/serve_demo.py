@@ -329,7 +329,7 @@ def run_workload(server: VllmServer, model: str, docs: dict[str, str], max_token
 
 def warm_up(server: VllmServer, model: str, docs: dict[str, str]) -> None:
     """One ordinary request, untimed, before the workload: a server's first request pays vLLM's
-    one-time costs (measured: ~0.2 s more for the first request than for the same request second),
+    one-time costs (measured on the 2-core CPU: 730 ms for such a request first, ~400 ms later),
     which would fall on the first documents request alone, its full-prefill twin running after it.
     Its system prompt differs from the workload's, so vLLM's prefix cache shares none of its blocks."""
     names = list(docs)
