@@ -17,7 +17,11 @@ times (the median is kept):
   forward with a hook per attention layer and the question's attention to the context computed
   from the cache);
 * ``split``: ``--split`` sequences of n/split tokens, as ``--split`` separate compiled forwards, and
-  as one forward of ``--split`` sequences: what batching requests into one forward saves.
+  as one forward of ``--split`` sequences: what batching requests into one forward saves;
+* ``copies``: the ``--context`` slots of the first sequence copied into the second's one slot
+  later, as a fill copies (``KVCopier.copy_slots``) and as blend's rotated copy; where the layout is
+  not affine (vLLM's CPU backend in bf16 with AMX), also with element-by-element writes instead of
+  the backend's write op, side by side (``copies.element_writes_over_backend_op``).
 
 A least-squares line t = a + b n per path gives ``a`` (per forward) and ``b`` (per token), the
 fit's largest relative residual beside them. Times are the worker's wall clock around each call.
@@ -87,10 +91,39 @@ def measure_in_worker(worker, tokens: list[int], context: int, repeats: int, spl
                     part = n // split
                     out["split_separate"][n] = timed(lambda: [kv.prefill([seq(i, part)]) for i in range(split)])
                     out["split_batched"][n] = timed(lambda: kv.prefill([seq(i, part) for i in range(split)]))
+            copies = measure_copies(kv, blocks[:per_seq], blocks[per_seq:2 * per_seq], context, timed) \
+                if split >= 2 else {}
     finally:
         kv.write_blocks(blocks, saved)
     return {"seconds": out, "num_layers": len(kv.layers), "block_size": pool.block_size,
-            "compilation_mode": str(runner.compilation_config.mode)}
+            "compilation_mode": str(runner.compilation_config.mode), "copies": copies}
+
+
+def measure_copies(kv, src_blocks: list[int], dst_blocks: list[int], n: int, timed) -> dict:
+    """``n`` slots copied from ``src_blocks`` to ``dst_blocks`` one slot later (not block-aligned):
+    median ms of the fill's copy and blend's rotated copy, and on a layout that is not affine the
+    same with the copier's backend writers set aside (element-by-element writes), in this run."""
+    import numpy as np
+
+    from graphchunk.device import slots_of
+
+    copier, bs = kv.copier, kv.runner.cache_config.block_size
+    src, dst = slots_of(src_blocks, np.arange(n), bs), slots_of(dst_blocks, np.arange(n) + 1, bs)
+    deltas = np.full(n, 7, np.int64)
+    paths = {"plain": lambda: copier.copy_slots(src, dst)}
+    if kv.blend.rotation is not None:
+        paths["rotated"] = lambda: copier.copy_slots_rotated(src, dst, deltas, kv.blend.rotation)
+    ms = {name: round(timed(run) * 1e3, 3) for name, run in paths.items()}
+    result = {"slots": n, "layout_affine": copier.views is not None, "ms": ms}
+    if copier.views is None and copier.writers is not None:
+        writers, copier.writers = copier.writers, None
+        try:
+            elements = {name: round(timed(run) * 1e3, 3) for name, run in paths.items()}
+        finally:
+            copier.writers = writers
+        result["ms_element_writes"] = elements
+        result["element_writes_over_backend_op"] = {name: round(elements[name] / ms[name], 3) for name in ms}
+    return result
 
 
 def fit(points: dict) -> dict:
@@ -153,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{path:9s} {line}")
     print("split: one forward of", args.split, "sequences over", args.split, "forwards:",
           result["split_batched_over_separate"])
+    print("copies:", result["copies"])
     print(f"wrote {args.out}")
     return 0
 

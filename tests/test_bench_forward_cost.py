@@ -27,4 +27,7 @@ def test_quick_run_measures_every_path(tmp_path):
         assert set(result["fit"][path]) >= {"per_forward_ms", "per_token_ms", "max_relative_residual"}
     split = result["config"]["split"]
     assert list(result["ms"]["split_batched"]) == [n for n in sizes if int(n) % split == 0]
+    copies = result["copies"]
+    assert copies["slots"] == result["config"]["context"] and all(t > 0 for t in copies["ms"].values())
+    assert "plain" in copies["ms"]
     assert result["num_layers"] == 2  # the tiny checkpoint's layers, every one hooked by the scoring pass
