@@ -115,6 +115,9 @@ class CacheMetrics:
                                            "(blend_entries='context') instead of computed alone")
     blend_recompute_deferrals: int = _counter("Times an all-hit blend-mode request was put off to a later step "
                                               "because the step's recompute budget was spent")
+    entries_failed: int = _counter("Pool entries dropped from the index because a worker found them not holding what "
+                                   "was planned (a job read the wrong input, or a copy failed its check): the requests "
+                                   "copying them failed; the next request computes them again")
     pool_blocks_leaked: int = _gauge("Pool blocks used but owned by no indexed entry (0 unless something leaked)")
 
     @_derived_gauge("Used fraction of the pool")
@@ -162,7 +165,7 @@ COUNTERS = tuple(name for name, (kind, _) in SCHEMA.items() if kind == "counter"
 GAUGES = tuple(name for name, (kind, _) in SCHEMA.items() if kind == "gauge")
 FIELDS = COUNTERS + GAUGES
 """Order of the values in the shared metrics file."""
-POOL_FIELDS = ("evictions", "pool_blocks_used", "pool_blocks_total", "pool_refs_held", "pool_blocks_leaked",
+POOL_FIELDS = ("evictions", "entries_failed", "pool_blocks_used", "pool_blocks_total", "pool_refs_held", "pool_blocks_leaked",
                "pool_utilization", "blend_requests_pending", "blend_recompute_deferrals", "blend_full_prefills")
 """The pool's own metrics and the admission of blend requests: kept where vLLM schedules (the one
 pool index, ``engine/context_scheduler``) and published from there; every other field is the worker's."""

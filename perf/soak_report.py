@@ -16,7 +16,7 @@ from pathlib import Path
 
 import harness as H
 from soak_client import Outcome
-from soak_server import COUNTERS, LEAK_GAUGES, delta
+from soak_server import COUNTERS, KV_USAGE, LEAK_GAUGES, delta
 from soak_trace import ACTIONS
 
 
@@ -29,6 +29,8 @@ def result(run, command: str, outcomes: list[Outcome], soak: dict, checks: dict,
     errors = [o for o in outcomes if o.status == "error"]
     ok = [o for o in outcomes if o.status == "ok"]
     leaked = {name: _leak_total(servers.leaks, name) for name in LEAK_GAUGES}
+    usage = [leak.get(KV_USAGE) for leak in servers.leaks]
+    leaked[KV_USAGE] = max(usage) if usage and None not in usage else None
     memory = _memory(servers, a.rss_factor)
     tier = _tier(run, soak, totals)
     invariants = _invariants(a, checks, errors, aborted, leaked, soak["alive"], memory, run.faults, tier)
@@ -39,6 +41,7 @@ def result(run, command: str, outcomes: list[Outcome], soak: dict, checks: dict,
         "checked_outputs": checks["checked_outputs"],
         "leaked_refs": leaked["graphchunk_pool_refs_held"],
         "leaked_blocks": leaked["graphchunk_pool_blocks_leaked"],
+        "kv_cache_usage_idle": leaked[KV_USAGE],
         "hit_rate": H.ratio(totals["graphchunk_hits_total"], totals["graphchunk_lookups_total"]),
         "tier_hits": int(totals["graphchunk_tier_hits_total"]),
         "evictions": int(totals["graphchunk_evictions_total"]),
@@ -90,6 +93,7 @@ def _invariants(a, checks, errors, aborted, leaked, alive, memory, faults, tier)
         "canaries_and_final_completed": not checks["tagged_not_completed"],
         "no_leaked_refs": leaked["graphchunk_pool_refs_held"] == 0,
         "no_leaked_blocks": leaked["graphchunk_pool_blocks_leaked"] == 0,
+        "kv_cache_given_back": leaked[KV_USAGE] == 0,
         "server_alive_after": alive.get("server_process_alive") is True and alive.get("health") == 200
         and alive.get("final_status") == "ok" and checks["tagged_checked"].get("final") in ("equal", "tie"),
         "memory_bounded": all(b["ratio"] <= a.rss_factor for b in memory["per_server"].values())

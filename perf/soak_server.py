@@ -26,6 +26,8 @@ from graphchunk.tools.serve_demo import SERVER_FLAGS, VllmServer
 
 TIER_SUFFIX = ".gckv"
 LEAK_GAUGES = ("graphchunk_pool_refs_held", "graphchunk_pool_blocks_leaked")
+KV_USAGE = "vllm:kv_cache_usage_perc"
+"""vLLM's KV-cache usage: 0 once every request has given its blocks back (cached blocks count as free)."""
 TIER_COUNTERS = ("graphchunk_tier_hits_total", "graphchunk_tier_writes_total", "graphchunk_tier_rejected_total")
 COUNTERS = ("graphchunk_lookups_total", "graphchunk_hits_total", "graphchunk_misses_total",
             "graphchunk_evictions_total", "graphchunk_tokens_reused_total", "graphchunk_tokens_computed_total",
@@ -238,7 +240,7 @@ class Servers:
         samples = scrape(self.current.url)
         found = {n: v for n, _, v in samples if n.startswith("graphchunk_")}
         for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
-                     "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"):
+                     "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total", KV_USAGE):
             value = total(samples, name)
             if value is not None:
                 found[name] = value
@@ -256,13 +258,14 @@ class Servers:
         return bool(poll(idle, timeout))
 
     def read_leaks(self) -> dict:
-        """The pool accounting gauges once they read 0 (a step may still be publishing), or their
+        """The pool accounting gauges and vLLM's KV-cache usage once they read 0 (a step may still be
+        publishing, a cancelled request's blocks come back once its load is reported), or their
         values at the deadline (None: not exported)."""
-        def clean():
+        def read():
             m = self.metrics()
-            values = {name: m.get(name) for name in LEAK_GAUGES}
-            return values if all(v == 0 for v in values.values()) else None
-        values = poll(clean, 30.0) or {name: self.metrics().get(name) for name in LEAK_GAUGES}
+            return {name: m.get(name) for name in (*LEAK_GAUGES, KV_USAGE)}
+
+        values = poll(lambda: (lambda v: v if all(x == 0 for x in v.values()) else None)(read()), 30.0) or read()
         return {"incarnation": self.incarnation, **values}
 
     def health(self) -> int | str:

@@ -60,6 +60,19 @@ def paragraphs():
     return help_paragraphs()
 
 
+# --- vLLM's scheduler with graphchunk's connector, without a model (``schedule_harness``) ---------
+
+@pytest.fixture(scope="module")
+def vllm_scheduler(smollm2_path):
+    """``make(asynchronous=False, **graphchunk_settings)``: vLLM's Scheduler (or AsyncScheduler) with
+    graphchunk's connector and the harness's geometry (``schedule_harness.make_vllm_scheduler``)."""
+    from graphchunk.engine import plugin
+    from schedule_harness import GC, make_vllm_scheduler
+
+    plugin.register()
+    return lambda asynchronous=False, **gc: make_vllm_scheduler(smollm2_path, {**GC, **gc}, asynchronous)
+
+
 # --- engine -------------------------------------------------------------------------------------
 
 GC_LLM_BLOCK_SIZE = 32

@@ -149,6 +149,28 @@ def test_question_policy_recomputes_what_the_question_attends_to_in_hf(gc_llm, o
     assert (other_logprobs[0] - logprobs[0]).abs().max() > 0.05
 
 
+def test_siblings_of_an_n_request_each_blend_their_whole_context(gc_llm, docs, text):
+    """n = 2 with the question policy, every chunk a hit: vLLM copies the annotated request into
+    two children, salt included; the engine core gives each child's salt its own request id
+    (``plugin._distinct_sibling_salts``), so neither takes a prefix hit on the other's blended
+    blocks: each ranks and recomputes its whole context, the same tokens, and both see the same
+    first-token distribution (sharing the salt, the second child took a hit up to its last full
+    context block and ranked only the rest). vLLM samples n > 1 only at a temperature above 0."""
+    from vllm import SamplingParams
+
+    policy = {"graphchunk_mode": "blend", "graphchunk_recompute": "question", "graphchunk_recompute_ratio": 0.3}
+    generate(gc_llm, [RagPrompt(text.text(12), [docs[0], docs[3]], "Warm?")], BLEND_NONE)
+    prompt = RagPrompt(text.text(11), [docs[3], docs[0]], text.question(11), extra=policy)
+    before = gc_llm.stats()
+    [output] = gc_llm.generate([prompt], SamplingParams(n=2, temperature=1.0, max_tokens=2, logprobs=5, seed=0))
+    delta = {name: gc_llm.stats()[name] - before[name] for name in COUNTERS}
+    lay = split_at(*gc_llm.encode(prompt), **LIMITS).layout
+    assert delta["blend_hits"] == 4
+    assert delta["blend_tokens_recomputed"] == 2 * math.ceil(0.3 * (lay.context_len - lay.sys_len)), delta
+    first, second = ({t: p.logprob for t, p in child.logprobs[0].items() if p.rank <= 5} for child in output.outputs)
+    assert first.keys() == second.keys() and all(abs(first[t] - second[t]) < FIRST_TOKEN_TOL for t in first)
+
+
 def test_a_request_whose_misses_outweigh_its_prefill_is_full_prefill_then_its_chunks_are_reused(gc_llm, oracle,
                                                                                                docs, text):
     """The default question policy (r = 0.3) on documents never seen: their misses and recompute

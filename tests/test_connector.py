@@ -13,7 +13,8 @@ from graphchunk.cache.keys import KeySpace
 from graphchunk.config import ConfigError
 from graphchunk.engine.connector import (KV_CONNECTOR, GraphChunkHandshake, GraphChunkMetadata, GraphChunkWorkerMeta,
                                          connector_config, work_of)
-from graphchunk.engine.context_scheduler import PoolHandshake, StepWork, event_blocks
+from graphchunk.engine.context_scheduler import PoolHandshake, StepWork
+from graphchunk.engine.kv_events import event_blocks
 from graphchunk.engine.frontend import BOUNDARIES_ARG
 from graphchunk.metrics import METRICS_FILE_ENV
 

@@ -6,7 +6,7 @@ from vllm import SamplingParams
 
 from graphchunk.blend.recompute import RecomputePolicy
 from graphchunk.config import GraphChunkConfig
-from graphchunk.engine.frontend import (BOUNDARIES_ARG, MODE_ARG, RATIO_ARG, RECOMPUTE_ARG, SALT_ARG, SINKS_ARG,
+from graphchunk.engine.frontend import (BOUNDARIES_ARG, MODE_ARG, NONCE_MARK, RATIO_ARG, RECOMPUTE_ARG, SALT_ARG, SINKS_ARG,
                                         SPREAD_ARG, TEMPERATURE_ARG, TOKENS_ARG, RequestAnnotator, chunk_request, is_graphchunk_worker,
                                         json_boolean_problem, beam_search_problem, layout_fingerprint, resolve_mode, temperature_refusal)
 from graphchunk.segments import SegmentationError
@@ -71,9 +71,10 @@ def test_ranking_blend_policies_never_share_vllms_prefix_cache(tokenizer):
     ranked = [annotated(tokenizer, **{MODE_ARG: "blend", RECOMPUTE_ARG: name}).cache_salt
               for name in ("question", "question", "cacheblend", "cacheblend")]
     assert len(set(ranked)) == 4
+    assert all(NONCE_MARK in salt for salt in ranked)  # the engine core adds each n > 1 child's id after it
     for extra in ({RECOMPUTE_ARG: "legolink"}, {RECOMPUTE_ARG: "none"}, {RECOMPUTE_ARG: "cacheblend", RATIO_ARG: 1}):
         salts = {annotated(tokenizer, **{MODE_ARG: "blend", **extra}).cache_salt for _ in range(2)}
-        assert len(salts) == 1
+        assert len(salts) == 1 and NONCE_MARK not in salts.pop()
 
 
 def test_multimodal_segmented_prompt_is_refused(tokenizer, annotator):

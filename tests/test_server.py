@@ -4,6 +4,13 @@ One server (SmolLM2-135M, fp32, eager) for the module; answers are compared toke
 the HF oracle (``graphchunk.reference.oracle``) on the segmentation graphchunk documents, bad input must
 come back as a 4xx naming the problem, and the server must keep answering correctly afterwards.
 """
+import http.client
+import json
+import re
+import time
+import urllib.parse
+import urllib.request
+
 import pytest
 from pydoc_data.topics import topics
 
@@ -298,6 +305,63 @@ def test_metrics_are_exported(server):
     log = server.log_path.read_text(errors="replace")
     assert f"graphchunk: chunk pool of {GC['pool_tokens'] // 32} blocks" in log, server.log_tail()
     assert "graphchunk: persistent chunk tier at" in log, server.log_tail()
+
+
+# --- requests that leave early -----------------------------------------------------------------
+
+def vllm_samples(server, name: str) -> float:
+    """vLLM's own metric ``name`` on /metrics (summed over its label sets)."""
+    with urllib.request.urlopen(server.url + "/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+
+def settled(server, deadline_s: float) -> float:
+    """Polls until vLLM runs and queues nothing; returns its KV-cache usage then."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        busy = vllm_samples(server, "vllm:num_requests_running") + vllm_samples(server, "vllm:num_requests_waiting")
+        if not busy or time.monotonic() > deadline:
+            return vllm_samples(server, "vllm:kv_cache_usage_perc")
+        time.sleep(0.2)
+
+
+def streamed(server, prompt: str) -> http.client.HTTPConnection:
+    """A streamed completion, once its response has started (before its first token): closing the
+    connection then is a client going away (vLLM aborts the request on the disconnect)."""
+    url = urllib.parse.urlsplit(server.url)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps({
+        "model": server.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "stream": True}),
+        {"Content-Type": "application/json"})
+    assert conn.getresponse().status == 200
+    return conn
+
+
+def test_requests_cancelled_while_waiting_for_misses_give_the_kv_cache_back(server, oracle, splitter, tokenizer):
+    """30 streamed requests, each with two documents no other request has: once graphchunk has
+    planned them (their misses counted: they wait, blocks allocated, while the workers compute the
+    misses a budget per step), their clients go away. vLLM's KV-cache usage returns to its idle
+    value once the workers have caught up, and a request afterwards is answered, exactly (before,
+    a request cancelled while waiting for its misses kept its blocks for good: the usage stayed up
+    with nothing running, and long prompts stopped being admitted)."""
+    idle = settled(server, 60)
+    misses = server.metrics()["graphchunk_misses_total"]
+    completed = vllm_samples(server, "vllm:request_success_total")  # (a cancelled request is not counted)
+    conns = [streamed(server, rag_text([f"Note {i}-{k}: " + words(topic, 80) for k, topic in enumerate(("for", "while"))]))
+             for i in range(30)]
+    deadline = time.monotonic() + 120
+    while server.metrics()["graphchunk_misses_total"] < misses + 40 and time.monotonic() < deadline:
+        time.sleep(0.2)  # polls: 20 of them planned
+    for conn in conns:
+        conn.close()
+    deadline = time.monotonic() + 120
+    while settled(server, 5) > idle and time.monotonic() < deadline:
+        pass
+    assert settled(server, 5) == idle, f"vLLM's KV cache stays used with nothing running\n{server.log_tail()}"
+    cancelled = 30 - (vllm_samples(server, "vllm:request_success_total") - completed)
+    assert cancelled >= 10, cancelled  # most went away while they waited
+    check_text_prompt(server, oracle, splitter, tokenizer, rag_text(DOCS[::-1]))
 
 
 # --- documents: the openai SDK, as a RAG client sends them ---------------------------------------

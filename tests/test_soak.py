@@ -9,7 +9,8 @@ is token-for-token the HF oracle's, no request failed, the server is alive and c
 its memory is bounded, aborts happened, it restarted once, the persistent tier survived the
 restart, both planted corruptions were rejected and recomputed (the canary request's answers
 checked against the oracle), the pool's accounting is exact at the end
-(``graphchunk_pool_refs_held`` and ``graphchunk_pool_blocks_leaked`` 0), and the tier stays within
+(``graphchunk_pool_refs_held`` and ``graphchunk_pool_blocks_leaked`` 0) and vLLM's KV cache given
+back (``vllm:kv_cache_usage_perc`` 0 once drained), and the tier stays within
 its budget. Nothing here depends on timing: faults happen at trace positions, and every wait
 polls a condition against a deadline.
 
@@ -92,6 +93,7 @@ def test_pool_accounting_exact(result):
     """Refcounts and blocks: 0 held, 0 leaked after the traffic drained (and at the restart)."""
     assert result["leaked_refs"] == 0, result["leaks"]
     assert result["leaked_blocks"] == 0, result["leaks"]
+    assert result["kv_cache_usage_idle"] == 0, result["leaks"]  # vLLM's blocks too, cancelled requests' included
 
 
 def test_tier_survives_restart_and_rejects_planted_corruption(result):

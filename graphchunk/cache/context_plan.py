@@ -187,6 +187,17 @@ class ContextPlanner:
             self.pool.release(entry)
         plan.held = []
 
+    @property
+    def has_jobs(self) -> bool:
+        """Whether any job (or capture) has not been reported run."""
+        return bool(self._running)
+
+    def fail_entries(self, epochs) -> None:
+        """The workers found the entries of these epochs bad: they leave the index now (a job still
+        computing one keeps its reference until it is reported run)."""
+        if epochs:
+            self.pool.forget(set(epochs))
+
     def finish_jobs(self, done_before: int) -> None:
         """The workers have run every job with an id below ``done_before``."""
         for job_id in [j for j in self._running if j < done_before]:

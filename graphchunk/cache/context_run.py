@@ -24,11 +24,13 @@ block): a job stamps its entry's blocks with the entry's epoch (``PoolEntry.epoc
 writing them, and a copy (``UnitCopy.epoch``) or a job reading another entry (``MissJob.reads``)
 runs only where the blocks still carry the planned epoch. A request whose copy would read
 anything else is not filled: its own blocks from the first affected one on are reported invalid
-(``take_invalid``; vLLM fails the request through its KV-load-failure path and never serves the
-blocks from its prefix cache), and a job whose input is wrong stamps its entry ``POISONED``, so
-that every copy from it fails the same way. With the scheduler's lifetimes right
+(``take_invalid``; vLLM fails the request through its KV-load-failure path, and the scheduler's
+connector evicts the blocks from vLLM's prefix cache whatever state their request is in), and a
+job whose input is wrong stamps its entry ``POISONED``, so that every copy from it fails the same
+way. Either way the entry is reported (``take_failed``) and leaves the pool's index at once: the
+next request computes it again. With the scheduler's lifetimes right
 (``engine/context_scheduler.py``) this never fires; it makes a lifetime bug an error instead of
-a wrong answer that vLLM's prefix cache would keep serving.
+a wrong answer that vLLM's prefix cache would keep serving, and one error instead of an outage.
 """
 from __future__ import annotations
 
@@ -75,6 +77,8 @@ class ContextRunner:
         """Per pool block: the epoch of the entry whose KV it holds (or is being written)."""
         self.invalid: set[int] = set()
         """Request blocks a failed copy left invalid, not yet reported (``take_invalid``)."""
+        self.failed: set[int] = set()
+        """Epochs of entries found not to hold what was planned, not yet reported (``take_failed``)."""
 
     @property
     def pending_tokens(self) -> int:
@@ -184,6 +188,8 @@ class ContextRunner:
                          "over; its entry is poisoned and every request copying it fails", job.job_id, bad)
         for block in job.entry_blocks:
             self.epochs[block] = POISONED if bad else job.epoch
+        if bad:
+            self.failed.add(job.epoch)
 
     def _holds(self, blocks, epoch: int) -> bool:
         return epoch != POISONED and all(self.epochs.get(block) == epoch for block in blocks)
@@ -191,6 +197,12 @@ class ContextRunner:
     def take_invalid(self) -> set[int]:
         invalid, self.invalid = self.invalid, set()
         return invalid
+
+    def take_failed(self) -> set[int]:
+        """Epochs of the entries found bad since the last call: the scheduler drops them from the
+        pool's index (``ContextPlanner.fail_entries``), so that the next request computes them again."""
+        failed, self.failed = self.failed, set()
+        return failed
 
     def _load(self, job: MissJob, device: KVDevice) -> bool:
         if self.tier is None:
@@ -239,6 +251,7 @@ class ContextRunner:
         if not bad:
             return True
         first = min(unit.lo for unit in units) // self.block_size
+        self.failed.update(unit.epoch for unit in bad)
         self.fail(prompt.block_ids[first:], "graphchunk: a context fill would copy pool blocks %s that do not hold "
                   "the entries it was planned from (epochs %s, found %s); the request fails instead of reading them"
                   % ([list(u.entry_blocks) for u in bad], [u.epoch for u in bad],

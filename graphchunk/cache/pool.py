@@ -142,6 +142,19 @@ class ChunkPool:
         if self.listener is not None and entry.indexed:
             self.listener.stored(entry)
 
+    def forget(self, epochs) -> int:
+        """Drops from the index every live entry whose epoch is in ``epochs`` (a worker found it not
+        holding what was planned): no later lookup finds it, and its blocks are freed with its last
+        reference. Returns how many entries left the index."""
+        bad = [entry for entry in self._live if entry.indexed and entry.epoch in epochs]
+        for entry in bad:
+            if entry.ref_count:
+                self._unindex(entry)
+            else:
+                self._drop(entry)
+        self.metrics.entries_failed += len(bad)
+        return len(bad)
+
     def clear(self) -> int:
         """Drops every unused entry (an operator's reset, as vLLM's ``reset_prefix_cache``);
         entries in use stay. Returns how many were dropped."""
@@ -154,15 +167,18 @@ class ChunkPool:
         self._drop(self._evictable[key])
         self.metrics.evictions += 1
 
-    def _drop(self, entry: PoolEntry) -> None:
-        if self.listener is not None and entry.indexed and entry.ready:
+    def _unindex(self, entry: PoolEntry) -> None:
+        if self.listener is not None and entry.ready:
             self.listener.removed(entry)
+        del self._index[entry.key]
+        if self._evictable.pop(entry.key, None) is not None:
+            self._evictable_blocks -= len(entry.block_ids)
+        self.policy.dropped(entry)
+        entry.indexed = False
+
+    def _drop(self, entry: PoolEntry) -> None:
         if entry.indexed:
-            del self._index[entry.key]
-            if self._evictable.pop(entry.key, None) is not None:
-                self._evictable_blocks -= len(entry.block_ids)
-            self.policy.dropped(entry)
-            entry.indexed = False
+            self._unindex(entry)
         self._live.discard(entry)
         self._free.extend(reversed(entry.block_ids))
         entry.block_ids = []

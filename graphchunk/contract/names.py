@@ -275,12 +275,13 @@ def _entries() -> tuple[Name, ...]:
         ("get_finished", ("finished_req_ids",)),
         ("get_block_ids_with_load_errors", ()),
         ("build_connector_worker_meta", ()),
+        ("bind_kv_cache_manager", ("kv_cache_manager",)),
     )
     for method, params in connector_methods:
         add(n(KVC, f"KVConnectorBase_V1.{method}", "override", CN, CONNECTOR, params, public=True))
     add(n(KVC, "KVConnectorWorkerMetadata.aggregate", "override", CN, CONNECTOR + " (the workers' first "
           "unfinished job: the smallest over tensor-parallel ranks)", ("other",), public=True))
-    for attr in ("finished_recving", "kv_connector_worker_meta"):
+    for attr in ("finished_recving", "kv_connector_worker_meta", "invalid_block_ids"):
         add(n("vllm.v1.outputs", f"KVConnectorOutput.{attr}", "field", CN, CONNECTOR, public=True))
     for attr in ("request_id", "prompt_token_ids", "sampling_params"):
         add(n("vllm.v1.request", f"Request.{attr}", "attribute", CN, CONNECTOR + " (the request the scheduler "
@@ -295,6 +296,12 @@ def _entries() -> tuple[Name, ...]:
     add(n(CFG, "KVTransferConfig.kv_connector", "field", CN, CONNECTOR, public=True))
     add(n(CFG, "KVTransferConfig.kv_load_failure_policy", "field", CN, CONNECTOR + " (a fill that fails its "
           "check fails its request; 'recompute' would compute the context causally)", public=True))
+    add(n(KVC, "KVConnectorBase_V1.has_pending_push_work", "override", CN, "keeps vLLM's engine stepping while "
+          "miss jobs of requests that left are unrun (the name says push work; vLLM's scheduler asks it for any "
+          "work that needs steps)", (), ("vllm.v1.core.sched.scheduler:Scheduler",)))
+    add(n("vllm.v1.core.kv_cache_manager", "KVCacheManager.evict_blocks", "call", CN, "blocks a fill left invalid "
+          "lose their prefix-cache hashes whatever state their request is in (the same call vLLM's "
+          "_handle_invalid_blocks makes, for running requests only)", ("block_ids",)))
     add(n("vllm.v1.core.sched.scheduler", "Scheduler._handle_invalid_blocks", "attribute", CN,
           "what fails a request whose fill failed (get_block_ids_with_load_errors) and evicts its blocks from "
           "the prefix cache"))
@@ -302,7 +309,7 @@ def _entries() -> tuple[Name, ...]:
     add(n("vllm.distributed.kv_transfer.kv_connector.factory", "KVConnectorFactory.register_connector", "call",
           CN, CONNECTOR + " (by name, so that MultiConnector's children may name it)",
           ("name", "module_path", "class_name")))
-    CS = "graphchunk/engine/context_scheduler.py"
+    CS = "graphchunk/engine/kv_events.py"
     add(n(KVC, "KVConnectorBase_V1.take_events", "override", CN, CONNECTOR + " (the pool's entries on vLLM's "
           "KV-event stream)", (), public=True))
     for cls, params in (("BlockStored", ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
@@ -447,6 +454,13 @@ def _entries() -> tuple[Name, ...]:
     add(n("vllm.v1.engine.input_processor", "InputProcessor.get_tokenizer", "call", PL, REQUEST, ()))
     for attr in ("sampling_params", "prompt_token_ids", "mm_features", "cache_salt", "lora_request"):
         add(n("vllm.v1.engine", f"EngineCoreRequest.{attr}", "field", FE, REQUEST))
+    SIBLINGS = ("vLLM copies an n > 1 request into its children after annotation, salt included; the engine "
+                "core gives each child's ranking nonce its own request id before its block hashes are computed")
+    add(n("vllm.v1.engine.core", "EngineCore", "import", PL, SIBLINGS))
+    add(n("vllm.v1.engine.core", "EngineCore.preprocess_add_request", "patch", PL, SIBLINGS, ("request",),
+          ("vllm.v1.engine.core:EngineCoreProc", "vllm.v1.engine.core_client:InprocClient")))
+    add(n("vllm.v1.engine.core", "EngineCore.vllm_config", "attribute", PL, SIBLINGS))
+    add(n("vllm.v1.engine", "EngineCoreRequest.request_id", "field", PL, SIBLINGS))
     add(n("vllm.lora.request", "LoRARequest.lora_name", "attribute", FE, "a LoRA request's chunk KV is "
           "keyed by its adapter"))
     add(n("vllm.engine.arg_utils", "EngineArgs", "import", PL, CONFIG_HOOK))
@@ -653,14 +667,20 @@ def _entries() -> tuple[Name, ...]:
           ("mode", "clear_cache"), scope=T))
     add(n("vllm.v1.engine.core", "EngineCore.resume_scheduler", "call", "tests/test_templates.py", "", (),
           scope=T))
-    RS = "tests/test_schedule_random.py"
+    RS = "tests/schedule_harness.py"
     add(n("vllm.v1.core.sched.async_scheduler", "AsyncScheduler", "import", RS, "", scope=T))
-    add(n("vllm.v1.outputs", "KVConnectorOutput.invalid_block_ids", "field", f"{RS}, tests/test_connector.py", "",
-          scope=T))
-    add(n("vllm.v1.core.sched.output", "SchedulerOutput.preempted_req_ids", "field", RS, "", scope=T))
+    add(n("vllm.v1.core.sched.output", "SchedulerOutput.preempted_req_ids", "field", "tests/test_schedule_random.py",
+          "", scope=T))
     add(n("vllm.v1.request", "Request.all_token_ids", "attribute", RS, "", scope=T))
     add(n("vllm.v1.core.kv_cache_manager", "KVCacheManager.get_block_ids", "call", RS, "", ("request_id",),
           scope=T))
+    # vLLM's accounting of what requests give back (schedule_harness.accounting), and how they ended
+    add(n("vllm.v1.core.block_pool", "BlockPool.get_num_free_blocks", "call", RS, "", (), scope=T))
+    add(n("vllm.v1.core.kv_cache_manager", "KVCacheManager.block_pool", "attribute", RS, "", scope=T))
+    add(n("vllm.v1.core.sched.scheduler", "Scheduler.finished_recving_kv_req_ids", "attribute", RS, "", scope=T))
+    add(n("vllm.v1.core.sched.scheduler", "Scheduler.finish_requests", "call", RS, "",
+          ("request_ids", "finished_status"), scope=T))
+    add(n("vllm.v1.engine", "FinishReason", "import", f"{RS}, tests/test_leave_early.py", "", scope=T))
 
     # --- perf only ----------------------------------------------------------------------------------
     P = "perf"

@@ -8,11 +8,14 @@ handshake metadata: ``connector.py``), the grid's bucket counts, the metrics and
 and the segmented requests the worker holds. vLLM's hooks call it in step order:
 
 ``step``              (around ``execute_model``) forgets finished requests (and drops their pending
-                      asynchronous loads: their blocks are vLLM's again), reads new ones, takes
+                      asynchronous loads, reported loaded unfilled: vLLM frees the blocks of a
+                      request that left while it waited only once its load is reported), reads new ones, takes
                       the step's work from graphchunk's connector metadata (``context_scheduler``:
                       jobs, fills, asynchronous loads), computes misses up to the step's budget
                       (``graphchunk.miss_budget``), fills the asynchronous loads whose jobs have
-                      all run (reported loaded to vLLM through the connector), plans the step
+                      all run (reported loaded to vLLM through the connector, also when the fill
+                      failed its check: its blocks are then invalid and vLLM fails the request),
+                      plans the step
                       (``step_plan.py``) and holds the plan while vLLM runs the step; after its
                       forward, fills the step's captured blend entries from the requests vLLM
                       has just prefilled (``ContextRunner.capture``);
@@ -72,8 +75,8 @@ class ChunkEngine:
         plans the rest; vLLM runs the step inside."""
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
-        if self.loads and so.finished_req_ids:  # their blocks are vLLM's again, their entries may be evicted
-            self.loads = [load for load in self.loads if load.req_id not in so.finished_req_ids]
+        if self.loads and so.finished_req_ids:
+            self._drop_loads(so.finished_req_ids)
         for new_req in so.scheduled_new_reqs:
             self._register(new_req)
         work = work_of(so.kv_connector_metadata)
@@ -107,13 +110,25 @@ class ChunkEngine:
             return  # an ordinary prompt: vLLM computes the full prefill (blend's target, too)
         self.requests[new_req.req_id] = request
 
+    def _drop_loads(self, finished) -> None:
+        """Drops the pending loads of requests that left (aborted, failed) before their jobs ran,
+        before this step's jobs run (their entries may be evicted now), and reports them loaded:
+        vLLM frees a request that left while waiting for its load only once its load is reported
+        (``Scheduler.finish_requests``), else its blocks and the request stay allocated for good."""
+        dropped = {load.req_id for load in self.loads if load.req_id in finished}
+        self.loads = [load for load in self.loads if load.req_id not in dropped]
+        self.loaded |= dropped
+
     def _complete_loads(self) -> None:
+        """Fills the asynchronous loads whose jobs have all run, and reports every one of them
+        loaded, filled or not: a fill that failed its check has left the request's blocks invalid
+        (``take_invalid``, the same step's output), so vLLM fails the request and then frees it."""
         done = [load for load in self.loads if load.needs < self.runner.done_before]
         if not done:
             return
         self.loads = [load for load in self.loads if load.needs >= self.runner.done_before]
-        filled = self.runner.copy([(load.prompt(), load.units) for load in done], self.kv)  # (isolated only)
-        self.loaded.update(prompt.req_id for prompt in filled)
+        self.runner.copy([(load.prompt(), load.units) for load in done], self.kv)  # (isolated only)
+        self.loaded.update(load.req_id for load in done)
 
     def fill_context(self) -> None:
         """Fills the context of the step's all-hit requests (vLLM has updated its block tables)."""
@@ -138,6 +153,10 @@ class ChunkEngine:
     @property
     def done_before(self) -> int:
         return self.runner.done_before
+
+    def take_failed(self) -> set[int]:
+        """Epochs of pool entries found bad since the last call (``ContextRunner.take_failed``)."""
+        return self.runner.take_failed()
 
     def take_loaded(self) -> set[str]:
         loaded, self.loaded = self.loaded, set()

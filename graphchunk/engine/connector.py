@@ -63,9 +63,11 @@ class GraphChunkHandshake(KVConnectorHandshakeMetadata):
 class GraphChunkWorkerMeta(KVConnectorWorkerMetadata):
     done_before: int
     """The worker's first unfinished job."""
+    failed: frozenset[int] = frozenset()
+    """Epochs of pool entries the worker found not holding what was planned (they leave the index)."""
 
     def aggregate(self, other: "GraphChunkWorkerMeta") -> "GraphChunkWorkerMeta":
-        return GraphChunkWorkerMeta(min(self.done_before, other.done_before))
+        return GraphChunkWorkerMeta(min(self.done_before, other.done_before), self.failed | other.failed)
 
 
 class _Worker:
@@ -85,6 +87,8 @@ class GraphChunkConnector(KVConnectorBase_V1):
         self._engine = vllm_config.parallel_config.data_parallel_index
         """This engine core's data-parallel index (each has its own pool; its metrics are its own)."""
         self._scheduler: ContextScheduler | None = None
+        self._prefix_cache = None
+        """vLLM's scheduler's KV-cache manager (``bind_kv_cache_manager``): invalid blocks lose their hashes."""
 
     # --- scheduler side -----------------------------------------------------------------------
 
@@ -107,16 +111,41 @@ class GraphChunkConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output) -> GraphChunkMetadata:
         return GraphChunkMetadata(self._context().metadata(scheduler_output))
 
+    def bind_kv_cache_manager(self, kv_cache_manager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self._prefix_cache = kv_cache_manager
+
     def update_connector_output(self, connector_output) -> None:
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, GraphChunkWorkerMeta):
-            self._context().reported(meta.done_before)
+            self._context().reported(meta.done_before, meta.failed)
         for req_id in connector_output.finished_recving or ():
             self._context().loaded(req_id)
+        self._evict_invalid(connector_output.invalid_block_ids)
+
+    def _evict_invalid(self, block_ids) -> None:
+        """**Nothing a fill did not fill is served from vLLM's prefix cache.** vLLM hashes a
+        synchronous load's blocks when it allocates them, before any worker has checked the fill;
+        its ``_handle_invalid_blocks`` evicts them only for requests still running or waiting for
+        their load when the workers' report arrives, which under asynchronous scheduling is a step
+        later: a request preempted (or aborted) in between keeps the hashes, and it, or any
+        request of the same salt and context, would take a prefix hit on blocks never filled. So
+        every block the workers report invalid loses its hash here, whatever state its request is
+        in (a block vLLM has since handed to another request loses a valid hash: a cache miss)."""
+        if block_ids and self._prefix_cache is not None:
+            self._prefix_cache.evict_blocks(set(block_ids))
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._context().finished(request.request_id)
         return False, None
+
+    def has_pending_push_work(self) -> bool:
+        """Keeps vLLM's engine stepping while the workers hold miss jobs not yet reported run (those
+        of a request that left while waiting for them, or of a full prefill's entries): an idle
+        engine runs no step, so they would keep their pool entries referenced until the next request
+        (``graphchunk_pool_refs_held`` above 0 with nothing running). Each such step runs jobs at
+        ``max_num_batched_tokens`` (nothing else runs)."""
+        return self._scheduler is not None and self._scheduler.planner.has_jobs
 
     def take_events(self):
         return self._scheduler.take_events() if self._scheduler is not None else ()
@@ -147,7 +176,7 @@ class GraphChunkConnector(KVConnectorBase_V1):
 
     def build_connector_worker_meta(self) -> GraphChunkWorkerMeta | None:
         engine = WORKER.engine
-        return GraphChunkWorkerMeta(engine.done_before) if engine is not None else None
+        return GraphChunkWorkerMeta(engine.done_before, frozenset(engine.take_failed())) if engine is not None else None
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         return

@@ -12,10 +12,16 @@ Per segmented request (``ChunkRequest``, read once from what graphchunk's fronte
               vLLM, which publishes a synchronous load's blocks to its prefix cache at once and
               an asynchronous one's when it completes, never publishes blend KV that its
               recompute has not finished (the recompute needs the question's blocks).
-              A pool too full for the plan answers None (vLLM asks again next step), and so
-              does an all-hit blend request once the step's blend recompute (which vLLM's token
-              budget does not see: it runs as graphchunk's own forwards) would pass
-              ``recompute_budget`` tokens: one is always admitted. Blend requests holding a plan
+              A pool too full for the plan answers None (vLLM asks again next step) and
+              reserves the pool's room for that request: until it is planned (or leaves), every
+              other request that would take room (a miss) answers None too, and full prefills'
+              entries are not kept; all-hit requests, which take no room, go on. So its wait is
+              bounded by the work in flight when it found no room: the jobs and loads holding
+              entries then (at ``miss_budget`` tokens a step) and the fills of one step, never by
+              the traffic that arrives after it. An all-hit blend request answers None too once
+              the step's blend recompute (which vLLM's token budget does not see: it runs as
+              graphchunk's own forwards) would pass ``recompute_budget`` tokens: one is always
+              admitted. Blend requests holding a plan
               not yet filled (waiting for their misses or for that budget) are the gauge
               ``blend_requests_pending``; each put-off, ``blend_recompute_deferrals``.
               A blend request whose misses and recompute would cost at least its full prefill
@@ -23,19 +29,21 @@ Per segmented request (``ChunkRequest``, read once from what graphchunk's fronte
               exactly blend's target; its missing entries are planned once the step's metadata is
               built (``metadata``), so their jobs run from the next step on, after the prefill;
               with ``blend_entries`` 'context' they are instead filled from the prefill itself, in
-              the step that completes its context, after that step's forward (``EntryCapture``).
+              the step that completes its context, after that step's forward (``EntryCapture``),
+              only where that prefill computes every chunk token over its sys prompt alone and
+              the request never had blended KV (``_captures_from``).
 ``allocated`` (vLLM allocated its blocks) turns the plan into a load: a fill this step (hits), or
               a load the workers complete by themselves once its jobs have run (isolated misses).
 ``metadata``  (vLLM builds the step's metadata) sends the step's new jobs, fills and loads and
               the plans' counts (the pool's own metrics are published from here), then releases
               the plans of the step's fills.
-``reported``  the workers' first unfinished job: earlier jobs' entries become ready.
+``reported``  the workers' first unfinished job: earlier jobs' entries become ready; entries the
+              workers found bad (a job that read the wrong input, a copy that failed its check)
+              leave the index at once (``entries_failed``): the next request computes them again.
 ``finished``  releases what a finished, aborted or preempted-and-dropped request still holds.
 ``take_events`` the pool's entries stored (ready) and removed since the last step, as vLLM's KV
-              events (``BlockStored`` / ``BlockRemoved``, medium ``graphchunk``, each entry a
-              chain of blocks of vLLM's size hashed from its content key: ``event_blocks``),
-              which vLLM publishes on its KV-event stream (``--kv-events-config``) for KV-aware
-              routers.
+              events (``kv_events.py``), which vLLM publishes on its KV-event stream
+              (``--kv-events-config``) for KV-aware routers.
 
 **The invariant** (what makes a fill read what it planned): *no pool block is written while a copy
 planned from it is outstanding.* A block is written only by the job of a new entry, and a new
@@ -48,15 +56,17 @@ holds its entries until the workers can no longer run it late:
   before its fills). Jobs planned in later steps run after this step's fills: every worker runs
   steps in order, and a worker's device work is ordered in one stream;
 - an asynchronous load holds them until a worker reports it filled (``loaded``); a load whose
-  request finishes first is dropped by the workers before the next step's jobs run
-  (``chunk_engine.py``), so releasing it in ``finished`` is safe;
+  request finishes first is dropped by the workers before the next step's jobs run, and reported
+  loaded all the same (``chunk_engine.py``: vLLM frees a request that left while waiting for its
+  load only once the load is reported), so releasing it in ``finished`` is safe;
 - a job holds its entry (and an isolated chunk's job its sys entry) until the workers report it
   run (``reported``: the first unfinished job, the smallest over tensor-parallel ranks).
 
 Preemption needs nothing more: a preempted request holds no plan (its fill ran), and when vLLM
 schedules it again it is planned afresh from its new prefix hit. The workers check every copy
 against the entry's epoch anyway (``context_run.py``): should this ever be wrong, the request
-fails and its blocks never reach vLLM's prefix cache.
+fails, its blocks lose their prefix-cache hashes (``connector.py``, ``_evict_invalid``) and the
+entry leaves the index.
 
 A request whose context can never fit the pool, even with every other entry evicted, is refused:
 its load carries the reason, and the workers fail it through vLLM's KV-load-failure path instead
@@ -69,32 +79,15 @@ from __future__ import annotations
 
 import dataclasses
 
-import xxhash
-
 from graphchunk.cache.chunk_cache import ScheduledPrompt
 from graphchunk.cache.context_plan import ContextPlanner, EntryCapture, MissJob, RequestPlan, UnitCopy
 from graphchunk.cache.keys import KeySpace
 from graphchunk.cache.pool import ChunkPool, PoolExhausted
 from graphchunk.config import GraphChunkConfig
 from graphchunk.engine.frontend import ChunkRequest, chunk_request
+from graphchunk.engine.kv_events import PoolEvents
 from graphchunk.log import logger
 from graphchunk.metrics import POOL_FIELDS, CacheMetrics, MetricsPublisher, engine_metrics_file
-
-EVENT_MEDIUM = "graphchunk"
-"""The medium of graphchunk's KV events: position-independent chunk entries, not prefix blocks."""
-
-
-def event_blocks(key: bytes, tokens, block_size: int) -> list[bytes]:
-    """An entry's block hashes on the KV-event stream: the entry as a chain of ``block_size``-token
-    blocks from its first token (a partial last block included), block ``i`` hashed from the
-    entry's content key and ``i``. A router that indexes the events' tokens by prefix in blocks of
-    vLLM's size (vllm-router's ``kv_aware``) then credits an isolated entry (sys prompt and chunk)
-    to a prompt that starts with that sys prompt and chunk, and a blend entry (the chunk alone) to
-    one that starts with the chunk: in both cases KV of that prompt's prefix this server holds."""
-    count = max(1, -(-len(tokens) // block_size))
-    return [key] + [xxhash.xxh3_128_digest(key + i.to_bytes(4, "big")) for i in range(1, count)]
-
-
 
 @dataclasses.dataclass(frozen=True)
 class PoolHandshake:
@@ -172,6 +165,8 @@ class _Request:
     """Why its context cannot be loaded (it never fits the pool)."""
     prefilled: bool = False
     """A blend request run as vLLM's full prefill (``ContextScheduler.prefill_instead``)."""
+    filled: bool = False
+    """Some of its context was sent to the workers to fill (blended KV, for a blend request)."""
 
 
 class ContextScheduler:
@@ -181,8 +176,8 @@ class ContextScheduler:
         pool = ChunkPool(handshake.num_blocks, handshake.block_size, handshake.first_block, self.metrics,
                          policy=config.eviction)
         self.planner = ContextPlanner(pool, handshake.space)
-        pool.listener = self
-        self._events: list = []
+        self.events = PoolEvents(handshake.block_size)
+        pool.listener = self.events
         path = engine_metrics_file(engine)
         self.publisher = MetricsPublisher(path, POOL_FIELDS) if path else None
         """Publishes the pool's metrics for the API process's /metrics (the workers publish theirs)."""
@@ -202,6 +197,8 @@ class ContextScheduler:
         (``blend_entries`` 'context') once a step completes their context."""
         self._recompute_tokens = 0
         """Blend recompute admitted into this step (``RecomputePolicy.cost``)."""
+        self._room_for: str | None = None
+        """The request waiting longest for pool room: until it is planned, no other plan takes room."""
         self.publish()
 
     @property
@@ -212,6 +209,7 @@ class ContextScheduler:
         state = self._request(req_id, token_ids, extra_args)
         if num_computed >= state.context_len or state.prefilled:
             self._drop_plan(state)
+            self._leave_room(req_id)
             return 0, False
         if state.refused is not None:
             state.start = num_computed
@@ -219,25 +217,32 @@ class ContextScheduler:
         if state.plan is None or state.start != num_computed:
             self._drop_plan(state)
             request = state.chunked
+            mode = "isolated" if request.policy is None else "blend"
             if self.prefill_instead(request, num_computed, state.context_len):
                 state.prefilled = True
+                self._leave_room(req_id)
                 self.metrics.blend_full_prefills += 1
-                if self.config.blend_entries == "context":
+                if self._captures_from(state, num_computed):
                     self._capturing[req_id] = request
                 else:
                     self._for_later.append(request)
                 return 0, False
+            if self._room_for not in (None, req_id) and \
+                    self.planner.missing_tokens(request.seg, request.salt, mode, num_computed, state.context_len):
+                return None, False  # the pool's room goes to the request waiting for it first
             try:
-                plan = self.planner.plan(request.seg, request.salt, "isolated" if request.policy is None else "blend",
-                                         num_computed, state.context_len)
+                plan = self.planner.plan(request.seg, request.salt, mode, num_computed, state.context_len)
             except PoolExhausted as exc:
                 if self.pool.in_use:
                     logger.debug("graphchunk: request %s waits for pool room: %s", req_id, exc)
+                    self._room_for = self._room_for or req_id
                     return None, False
+                self._leave_room(req_id)
                 state.start = num_computed
                 state.refused = (f"graphchunk: request {req_id}'s context cannot fit the chunk pool even when "
                                  f"empty ({exc}); raise graphchunk.pool_tokens or send fewer, longer chunks")
                 return state.context_len - num_computed, False
+            self._leave_room(req_id)
             self._jobs += plan.jobs
             self._counts += plan.counts
             state.plan, state.start = plan, num_computed
@@ -271,6 +276,7 @@ class ContextScheduler:
         plan = state.plan
         load = ContextLoad(req_id, state.chunked, state.start, state.context_len, tuple(block_ids),
                            tuple(plan.units), plan.needs)
+        state.filled = True
         if plan.needs < self._done_before:
             self._fills.append(load)
             self._recompute_tokens += self._recompute_cost(state.chunked)
@@ -295,6 +301,19 @@ class ContextScheduler:
         self._for_later = []
         return work
 
+    def _captures_from(self, state: _Request, start: int) -> bool:
+        """Whether a request run as vLLM's full prefill from token ``start`` on fills new blend
+        entries from it (``blend_entries`` 'context'): only when that prefill computes every chunk
+        token, over nothing but the sys prompt (``start`` within it; a sys prompt's KV is the same
+        however it was computed), and nothing of its context was ever blended (a request blended,
+        preempted and resumed holds blended KV in its own prefix-cache blocks)."""
+        return self.config.blend_entries == "context" and not state.filled and \
+            start <= state.chunked.seg.layout.sys_len
+
+    def _leave_room(self, req_id: str) -> None:
+        if self._room_for == req_id:
+            self._room_for = None
+
     def prefill_instead(self, request: ChunkRequest, start: int, end: int) -> bool:
         """Whether a blend request's context ``[start, end)`` runs as vLLM's full prefill
         (``blend_misses``): its missing entries and its recompute cost at least the range itself.
@@ -318,6 +337,8 @@ class ContextScheduler:
             if request is None or computed[req_id] + num_tokens < request.seg.layout.context_len:
                 continue
             del self._capturing[req_id]
+            if self._room_for is not None:  # a request waits for pool room: it gets it first
+                continue
             plan = self.planner.capture(request.seg, request.salt, req_id)
             captures += plan.captures
             self._counts += plan.counts
@@ -326,7 +347,9 @@ class ContextScheduler:
 
     def _compute_for_later(self, request: ChunkRequest) -> None:
         """Jobs for the entries a full-prefilled blend request lacked, its lookups counted; nothing
-        is copied from them for it."""
+        is copied from them for it. None while a request waits for pool room."""
+        if self._room_for is not None:
+            return
         try:
             plan = self.planner.plan(request.seg, request.salt, "blend", 0, request.seg.layout.context_len)
         except PoolExhausted as exc:
@@ -344,9 +367,11 @@ class ContextScheduler:
         if self.publisher is not None:
             self.publisher.publish(self.metrics)
 
-    def reported(self, done_before: int) -> None:
+    def reported(self, done_before: int, failed=()) -> None:
+        """The workers' first unfinished job, and the epochs of entries they found bad."""
         self._done_before = max(self._done_before, done_before)
         self.planner.finish_jobs(self._done_before)
+        self.planner.fail_entries(failed)
         self.publish()
 
     def loaded(self, req_id: str) -> None:
@@ -357,6 +382,7 @@ class ContextScheduler:
 
     def finished(self, req_id: str) -> None:
         self._capturing.pop(req_id, None)
+        self._leave_room(req_id)
         state = self._requests.pop(req_id, None)
         if state is not None:
             self._drop_plan(state)
@@ -365,25 +391,8 @@ class ContextScheduler:
     def reset(self) -> int:
         return self.pool.clear()
 
-    # --- KV events (the pool's listener) --------------------------------------------------------
-
-    def stored(self, entry) -> None:
-        from vllm.distributed.kv_events import BlockStored
-
-        block_size = self.handshake.block_size
-        self._events.append(BlockStored(block_hashes=event_blocks(entry.key, entry.tokens, block_size),
-                                        parent_block_hash=None, token_ids=list(entry.tokens), block_size=block_size,
-                                        lora_id=None, medium=EVENT_MEDIUM, lora_name=None))
-
-    def removed(self, entry) -> None:
-        from vllm.distributed.kv_events import BlockRemoved
-
-        self._events.append(BlockRemoved(block_hashes=event_blocks(entry.key, entry.tokens, self.handshake.block_size),
-                                         medium=EVENT_MEDIUM))
-
     def take_events(self) -> list:
-        events, self._events = self._events, []
-        return events
+        return self.events.take()
 
     def _request(self, req_id: str, token_ids, extra_args: dict) -> _Request:
         state = self._requests.get(req_id)

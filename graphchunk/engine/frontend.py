@@ -60,6 +60,10 @@ POLICY_ARGS = (RECOMPUTE_ARG, RATIO_ARG, TOKENS_ARG, SINKS_ARG, SPREAD_ARG, LAYE
 MODE_ARGS = (MODE_ARG, TEMPERATURE_ARG, *POLICY_ARGS)
 GRAPHCHUNK_ARGS = (BOUNDARIES_ARG, *MODE_ARGS)
 """The keys a client may send."""
+NONCE_MARK = ":nonce-"
+"""Marks a ranking blend policy's salt nonce (``blend_salt``): the engine core appends the request's
+own id after it, so that the children of an ``n > 1`` request, which vLLM copies from one
+annotated request, never share it."""
 SALT_MARK = "|graphchunk:"
 """What ``annotate`` appends to a segmented request's ``cache_salt``; refused in a client's own salt,
 which could otherwise claim another layout's KV in vLLM's prefix cache, or plant causal KV there."""
@@ -291,16 +295,19 @@ def blend_fingerprint(seg: SegmentedPrompt, policy: RecomputePolicy) -> str:
     block before its question, and recomputes only the rest. Where a policy ranks the context
     (cacheblend and question with a ratio strictly between 0 and 1: ``needs_check``), a ranking of
     that rest alone picks other tokens than the ranking of the whole context, over KV that the
-    other request's recompute has already changed. So their salt also carries a nonce: vLLM's
-    prefix cache never shares their KV between requests (the chunks still come from the pool;
-    the system prompt is copied from it too). Policies that pick by position (legolink, none,
-    ratio 0 or 1) pick the same tokens of a block whatever follows it and share."""
+    other request's recompute has already changed. So their salt also carries a nonce
+    (``NONCE_MARK``): vLLM's prefix cache never shares their KV between requests (the chunks still
+    come from the pool; the system prompt is copied from it too). vLLM copies a request with
+    ``n > 1`` into its children after this, salt included, so the engine core appends each
+    child's request id to such a salt (``plugin._distinct_sibling_salts``). Policies that pick by
+    position (legolink, none, ratio 0 or 1) pick the same tokens of a block whatever follows it
+    and share."""
     lay = seg.layout
     digest = xxhash.xxh3_128()
     digest.update(repr(("blend", policy.describe(), lay.sys_len, lay.chunk_lens)).encode())
     hashed = lay.num_tokens if policy.name == "question" else lay.context_len
     digest.update(np.asarray(seg.token_ids[:hashed], dtype=np.int64).tobytes())
-    nonce = f":{secrets.token_hex(8)}" if policy.needs_check else ""
+    nonce = f"{NONCE_MARK}{secrets.token_hex(8)}" if policy.needs_check else ""
     return f"blend:{policy.describe()}:{digest.hexdigest()}{nonce}"
 
 

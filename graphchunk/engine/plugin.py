@@ -1,9 +1,9 @@
 """vLLM general plugin (entry point ``vllm.general_plugins``): hooks request processing.
 
 vLLM loads general plugins in every process; this one wraps ``InputProcessor.process_inputs``,
-the renderer's chat rendering for documents requests (``document_hooks``), for the OpenAI server ``GenerateBaseServing._with_kv_transfer_rejection_cleanup``, and
-``VllmConfig._get_v2_model_runner_unsupported_features`` and ``EngineArgs.create_engine_config``
-(each idempotently), and every wrapper
+the renderer's chat rendering for documents requests (``document_hooks``), for the OpenAI server ``GenerateBaseServing._with_kv_transfer_rejection_cleanup``,
+``VllmConfig._get_v2_model_runner_unsupported_features``, ``EngineArgs.create_engine_config`` and
+``EngineCore.preprocess_add_request`` (each idempotently), and every wrapper
 acts only for engines whose worker is graphchunk's, so installing graphchunk changes nothing for
 other vLLM users.
 """
@@ -42,6 +42,34 @@ def register() -> None:
     _guard_request_bodies()
     _select_v1_model_runner()
     _check_config_before_start()
+    _distinct_sibling_salts()
+
+
+def _distinct_sibling_salts() -> None:
+    """A ranking blend policy's salt carries a nonce (``frontend.blend_salt``) so that vLLM's
+    prefix cache never hands one request another's blended KV; but vLLM annotates a request with
+    ``n > 1`` once and copies it into its children (``AsyncLLM.add_request``, ``LLMEngine``), so
+    siblings would share that nonce, and a sibling scheduled in the step after another's allocation
+    would take a prefix hit on its blocks and rank only the rest. The engine core appends each
+    request's own id (unique per child) to such a salt before building vLLM's ``Request`` (whose
+    block hashes read it), for graphchunk engines only."""
+    from vllm.v1.engine.core import EngineCore
+
+    from graphchunk.engine.frontend import NONCE_MARK, SALT_MARK, is_graphchunk_worker
+
+    original = EngineCore.preprocess_add_request
+    if getattr(original, "_graphchunk", False):
+        return
+
+    def preprocess_add_request(self, request):
+        salt = request.cache_salt or ""
+        if SALT_MARK in salt and NONCE_MARK in salt.rpartition(SALT_MARK)[2] and \
+                is_graphchunk_worker(self.vllm_config.parallel_config.worker_cls):
+            request.cache_salt = f"{salt}:{request.request_id}"
+        return original(self, request)
+
+    preprocess_add_request._graphchunk = True
+    EngineCore.preprocess_add_request = preprocess_add_request
 
 
 def _check_config_before_start() -> None:

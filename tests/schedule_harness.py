@@ -1,0 +1,419 @@
+"""vLLM's own scheduler with graphchunk's connector, its workers played by graphchunk's own worker
+engine over a content-tracking fake device (two tensor-parallel ranks): the harness of the
+randomized scheduling test (``test_schedule_random.py``) and of the tests of requests that leave
+early (``test_leave_early.py``).
+
+``Workers`` checks, in every step, that each context a worker filled holds exactly its semantics'
+KV in every slot (``check_fills``), and that vLLM's forward never reads a segmented request's
+context before it holds that KV (``check_reads``: what vLLM's prefix cache supplied included);
+``inject`` plants a bad pool entry (its blocks no longer hold what was planned: a lifetime bug's
+effect), after which copies from it must fail and nothing they did not fill may be read.
+``accounting`` is vLLM's side of what a request gives back: its blocks and its ``Request``.
+"""
+from __future__ import annotations
+
+import os
+import random
+from types import SimpleNamespace
+from unittest import mock
+
+import torch
+
+from graphchunk.cache.context_run import POISONED, ContextRunner
+from graphchunk.cache.keys import KeySpace
+from graphchunk.config import GraphChunkConfig
+from graphchunk.engine.chunk_engine import ChunkEngine
+from graphchunk.engine.connector import GraphChunkHandshake, GraphChunkWorkerMeta, connector_config, work_of
+from graphchunk.engine.context_scheduler import PoolHandshake, computed_before
+from graphchunk.engine.frontend import RequestAnnotator
+from graphchunk.engine.kv_binding import blend_prefix_tokens
+from graphchunk.metrics import METRICS_FILE_ENV, CacheMetrics
+
+BLOCK = 16
+KV_BLOCKS = 48
+"""vLLM's own blocks: small enough that running requests are preempted."""
+POOL_BLOCKS = 24
+BUDGET = 96
+RANKS = 2
+STEPS = 160
+GC = {"mode": "isolated", "max_chunks": 4, "max_chunk_len": 120, "miss_budget": 40}
+
+
+class ContentDevice:
+    """A ``KVDevice`` that records, per slot, the tokens and position whose KV is there."""
+
+    def __init__(self):
+        self.kv: dict[int, tuple] = {}
+        self.blocks: dict[str, list[int]] = {}
+        """Each request's block ids at vLLM's last forward of it (``request_blocks``)."""
+
+    def request_blocks(self, req_id: str) -> list[int]:
+        return self.blocks[req_id]
+
+    def slot(self, block_ids, i: int) -> int:
+        return block_ids[i // BLOCK] * BLOCK + i % BLOCK
+
+    def prefill(self, seqs, num_layers=None):
+        if num_layers is not None:  # CacheBlend's check pass: the fake keeps only full-depth KV
+            return
+        for seq in seqs:
+            for i in range(seq.num_cached, len(seq.token_ids)):
+                self.kv[self.slot(seq.block_ids, i)] = (tuple(seq.token_ids[: i + 1]), int(seq.positions[i]))
+
+    def context_attention(self, seqs, num_layers=None):
+        """The question-aware scoring pass: the question's KV, and a score per cached token that
+        every rank computes alike (a hash of the token id)."""
+        self.prefill(seqs)
+        return [torch.tensor([(t * 2654435761) % 997 / 997 for t in seq.token_ids[:seq.num_cached]])
+                for seq in seqs]
+
+    def read_keys(self, layer, slots):
+        return torch.zeros(len(slots), 1, 1)
+
+    def sum_over_ranks(self, values):
+        return values
+
+    def copy_blocks(self, src, dst):
+        for s, d in zip(src, dst):
+            for o in range(BLOCK):
+                if s * BLOCK + o in self.kv:
+                    self.kv[d * BLOCK + o] = self.kv[s * BLOCK + o]
+
+    def copy_slots(self, src, dst, key_temperature=1.0):
+        values = [self.kv.get(s) for s in src.tolist()]  # read all, then write: one copy kernel
+        self.kv.update(zip(dst.tolist(), values))
+
+    def copy_slots_rotated(self, src, dst, deltas):
+        values = [self.kv.get(s) for s in src.tolist()]
+        for d, value, delta in zip(dst.tolist(), values, deltas.tolist()):
+            if value is not None and value[0] == "vllm":  # vLLM's forward's KV (a capture): at its position
+                value = (value[1], len(value[1]) - 1)
+            self.kv[d] = None if value is None else (value[0], value[1] + delta)
+
+
+def expected(request, t: int, prefix: tuple[int, ...] = ()) -> set:
+    """The KV context token ``t`` may hold by the request's semantics (DESIGN.md §2): isolated, a
+    chunk token after the sys prompt at positions from S; blend (policy 'legolink' k=2 or 'none'),
+    a chunk computed alone (after the deployment's blend ``prefix``, which the request never holds
+    itself), moved to where it lands, its first tokens recomputed over the whole
+    prefix; 'cacheblend' r=1, every token recomputed: full prefill's; 'question' r=0.3, each chunk
+    token either (which ones its ranking picks is test_blend's and test_blend_exact's to check)."""
+    seg, policy = request.seg, request.policy
+    if t < seg.layout.sys_len:
+        return {(tuple(seg.sys_tokens[: t + 1]), t)}
+    for i, (begin, end) in enumerate(seg.bounds[1:-1]):
+        if begin <= t < end:
+            own = tuple(seg.chunk_tokens(i)[: t - begin + 1])
+            if policy is None:
+                return {(tuple(seg.sys_tokens) + own, seg.layout.sys_len + t - begin)}
+            fresh, alone = (tuple(seg.token_ids[: t + 1]), t), (prefix + own, t)
+            if policy.name == "legolink" and t - begin < policy.tokens or policy.ratio == 1:
+                return {fresh}
+            return {fresh, alone} if policy.needs_check else {alone}
+    raise AssertionError(f"token {t} is not context")
+
+
+def in_context(request, t: int, got) -> bool:
+    """Whether blend chunk token ``t`` holds KV taken from a full prefill (blend_entries 'context'):
+    computed at ``t`` after the chunk's tokens before it, and after something before the chunk."""
+    begin = next(b for b, e in request.seg.bounds[1:-1] if b <= t < e)
+    own = tuple(request.seg.token_ids[begin: t + 1])
+    return got is not None and got[1] == t and len(got[0]) > len(own) and got[0][-len(own):] == own
+
+
+class Workers:
+    """Two tensor-parallel ranks of graphchunk's worker engine, each over its own fake device."""
+
+    def __init__(self, config: GraphChunkConfig, handshake: PoolHandshake, rng: random.Random):
+        self.rng, self.config, self.prefix = rng, config, handshake.space.blend_prefix
+        self.engines = []
+        for _ in range(RANKS):
+            runner = ContextRunner(BLOCK, BUDGET, CacheMetrics())
+            self.engines.append(ChunkEngine(config, runner.metrics, runner, ContentDevice(), handshake, BUDGET))
+        self.loaded: dict[str, int] = {}
+        """Loads reported by some ranks (vLLM's aggregator reports a request once every rank has)."""
+        self.held: set[str] = set()
+        """Loads completed but reported late."""
+        self.done_before = [0] * RANKS
+        self.settled = False
+        """Reports no longer come late (``settle``)."""
+        self.faulted: set[int] = set()
+        """Epochs of the entries made bad (``inject``) or found bad by a worker (a job that read one)."""
+        self.failed_fills: set[str] = set()
+        """Requests a fill or load failed for (their copies read a bad entry)."""
+        self.bad_reads: dict[str, int] = {}
+        """Requests whose forward read context KV that is not their semantics' (and how often): each
+        must end in an error, never be served (``check_reads``)."""
+        self.last: dict[str, int] = {}
+        """Per request, the token after the last one vLLM computed."""
+
+    def settle(self) -> None:
+        """From now on every report arrives with its step, as vLLM's workers' do once traffic stops
+        (each step's output carries every rank's progress): what came late so far arrives next step."""
+        self.settled = True
+
+    def inject(self, pool) -> int | None:
+        """Makes a ready pool entry bad in every rank, as a lifetime bug would (its blocks no longer
+        hold its epoch); returns that epoch (None: no ready entry)."""
+        ready = [entry for entry in pool._index.values() if entry.ready]
+        if not ready:
+            return None
+        return self.inject_entry(self.rng.choice(ready))
+
+    def inject_entry(self, entry) -> int:
+        for engine in self.engines:
+            for block in entry.block_ids:
+                engine.runner.epochs[block] = POISONED
+        self.faulted.add(entry.epoch)
+        return entry.epoch
+
+    def step(self, so, scheduler):
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        work = work_of(so.kv_connector_metadata)
+        refused = {fill.req_id: fill for fill in work.fills if fill.refused}
+        invalid, finished, failed, loaded = set(), set(), set(), []
+        for rank, engine in enumerate(self.engines):
+            loads = {load.req_id: load for load in engine.loads + list(work.loads)}
+            with engine.step(so):
+                engine.fill_context()
+                fills = [f for f in work.fills if not f.refused]
+                self.check_fills(engine, [f for f in fills if self.copies_hold(engine, f)])
+                loaded += [f for f in fills if not self.copies_hold(engine, f)]
+                self.forward(engine, so, scheduler)
+            for req_id in engine.take_loaded():
+                if req_id not in so.finished_req_ids:  # else dropped: its request left before its jobs ran
+                    load = loads[req_id]
+                    if not self.copies_hold(engine, load):
+                        loaded.append(load)
+                    else:
+                        self.check_fills(engine, [load])
+                self.loaded[req_id] = self.loaded.get(req_id, 0) + 1
+                if self.loaded[req_id] == RANKS:
+                    finished.add(req_id)
+            invalid |= engine.take_invalid()
+            failed |= engine.take_failed()
+            if self.settled or self.rng.random() < 0.7:  # else the worker's report of its jobs comes a step late
+                self.done_before[rank] = engine.done_before
+        self.faulted |= failed
+        expected_invalid = {b for fill in refused.values() for b in fill.block_ids}
+        for load in loaded:  # a fill that failed its check: only one that copies a bad entry may
+            assert any(unit.epoch in self.faulted for unit in load.units), \
+                f"request {load.req_id}: a copy failed its epoch check: it would have read a block it did not plan"
+            self.failed_fills.add(load.req_id)
+            expected_invalid |= set(load.block_ids[min(u.lo for u in load.units) // BLOCK:])
+        assert invalid == expected_invalid, "the invalid blocks are not those of refused and failed fills"
+        late = set() if self.settled else {r for r in finished if self.rng.random() < 0.3}
+        report, self.held = (finished - late) | self.held, late
+        for req_id in report:
+            self.loaded.pop(req_id, None)
+        req_ids = list(so.num_scheduled_tokens)
+        computed = computed_before(so)
+        prompt_done = [computed[r] + so.num_scheduled_tokens[r] >= scheduler.requests[r].num_prompt_tokens
+                       for r in req_ids]  # vLLM's runner samples nothing for a partial prefill
+        return ModelRunnerOutput(
+            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=[[7] if done else [] for done in prompt_done],
+            kv_connector_output=KVConnectorOutput(
+                finished_recving=report or None, invalid_block_ids=invalid,
+                kv_connector_worker_meta=GraphChunkWorkerMeta(min(self.done_before), frozenset(failed))))
+
+    @staticmethod
+    def copies_hold(engine, load) -> bool:
+        """Whether every entry a fill copies holds its planned epoch (else the fill failed its check)."""
+        return all(engine.runner._holds(unit.entry_blocks, unit.epoch) for unit in load.units)
+
+    def holds(self, engine, request, block_ids, t: int) -> bool:
+        """Whether context token ``t`` of ``request`` holds its semantics' KV in ``block_ids``."""
+        got = engine.kv.kv.get(engine.kv.slot(block_ids, t))
+        return got in expected(request, t, self.prefix) or self.config.blend_entries == "context" and \
+            request.policy is not None and t >= request.seg.layout.sys_len and in_context(request, t, got)
+
+    def check_fills(self, engine, loads):
+        """Every context token of each filled load holds its semantics' KV; where one does not, the
+        request shares a block that another request's failed fill left invalid (vLLM fails it:
+        ``bad_reads``), else the fill is wrong."""
+        for load in loads:
+            for t in range(load.request.seg.layout.context_len):
+                if self.holds(engine, load.request, load.block_ids, t):
+                    continue
+                assert engine.runner.invalid & set(load.block_ids), \
+                    f"request {load.req_id}: context token {t} holds {engine.kv.kv.get(engine.kv.slot(load.block_ids, t))}"
+                self.bad_reads[load.req_id] = self.bad_reads.get(load.req_id, 0) + 1
+                break
+
+    def check_reads(self, engine, req_id, chunked, block_ids, start) -> None:
+        """Before vLLM's forward of a segmented request whose context is computed (from graphchunk's
+        fills or vLLM's prefix cache), the first time it runs after its context was (re)filled:
+        every context token holds its semantics' KV, else the request is noted (``bad_reads``)."""
+        if self.last.get(req_id) == start:
+            return  # it continues from its last step: its context was checked then
+        if not all(self.holds(engine, chunked, block_ids, t) for t in range(chunked.seg.layout.context_len)):
+            self.bad_reads[req_id] = self.bad_reads.get(req_id, 0) + 1
+
+    def forward(self, engine, so, scheduler):
+        """vLLM's own forward: the scheduled tokens' KV, after the fills; never a segmented request's
+        context, unless the scheduler's connector chose to run it as a full prefill (blend)."""
+        computed = computed_before(so)
+        context = scheduler.connector._context()
+        for req_id, n in so.num_scheduled_tokens.items():
+            request = scheduler.requests[req_id]
+            chunked = engine.requests.get(req_id)
+            start = computed[req_id]
+            prefilled = req_id in context._requests and context._requests[req_id].prefilled
+            assert chunked is None or start >= chunked.seg.layout.context_len or \
+                (prefilled and chunked.policy is not None), \
+                f"vLLM computes request {req_id}'s context itself (from token {start})"
+            (block_ids,) = scheduler.kv_cache_manager.get_block_ids(req_id)
+            engine.kv.blocks[req_id] = list(block_ids)
+            if chunked is not None and not prefilled:
+                self.check_reads(engine, req_id, chunked, block_ids, start)
+            tokens = list(request.all_token_ids)
+            for t in range(start, start + n):
+                engine.kv.kv[engine.kv.slot(block_ids, t)] = ("vllm", tuple(tokens[: t + 1]))
+            if engine is self.engines[-1]:
+                self.last[req_id] = start + n
+
+
+def accounting(scheduler) -> tuple[int, list, set]:
+    """vLLM's side of what requests give back: its free KV blocks, the requests it still holds
+    (with their status), and those whose load it still waits for."""
+    return (scheduler.kv_cache_manager.block_pool.get_num_free_blocks(),
+            [(r.request_id, r.status) for r in scheduler.requests.values()],
+            set(scheduler.finished_recving_kv_req_ids))
+
+
+def make_vllm_scheduler(smollm2_path, gc: dict, asynchronous: bool = False):
+    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    model = ModelConfig(model=str(smollm2_path), dtype="float32", max_model_len=1024)
+    config = VllmConfig(
+        model_config=model, cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
+        scheduler_config=SchedulerConfig(max_num_batched_tokens=BUDGET, max_num_seqs=6, max_model_len=1024,
+                                         is_encoder_decoder=False, enable_chunked_prefill=True),
+        kv_transfer_config=connector_config(None), additional_config={"graphchunk": gc})
+    config.cache_config.num_gpu_blocks = KV_BLOCKS
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=16, dtype=torch.float32)
+    kv_cache_config = KVCacheConfig(num_blocks=KV_BLOCKS, kv_cache_tensors=[],
+                                    kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)])
+    hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
+    init_none_hash(hash_fn)
+    if asynchronous:
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler as Scheduler  # noqa: N814
+    scheduler = Scheduler(config, kv_cache_config, StructuredOutputManager(config), block_size=BLOCK)
+    # As the workers tell it: blend_prefix tokenized by the model's tokenizer (kv_binding's own function).
+    space = KeySpace("m", "f32", blend_prefix=blend_prefix_tokens(model, gc.get("blend_prefix", "")))
+    handshake = PoolHandshake(KV_BLOCKS, POOL_BLOCKS, BLOCK, space, None, None)
+    with mock.patch.dict(os.environ):
+        os.environ.pop(METRICS_FILE_ENV, None)
+        scheduler.connector.set_xfer_handshake_metadata({rank: GraphChunkHandshake(handshake) for rank in range(RANKS)})
+    return scheduler, handshake, get_request_block_hasher(BLOCK, hash_fn)
+
+
+class Stream:
+    """Random segmented requests over a few shared sys prompts and documents, annotated by
+    graphchunk's own frontend (boundaries, mode, salts)."""
+
+    def __init__(self, rng: random.Random, config: GraphChunkConfig, hasher):
+        self.rng, self.hasher = rng, hasher
+        self.annotator = RequestAnnotator(dataclass_replace(config, separator=""), tokenizer=None)
+        self.systems = [list(range(1000 * (k + 1), 1000 * (k + 1) + rng.randint(0, 40))) for k in range(2)]
+        self.docs = [list(range(20000 + 500 * k, 20000 + 500 * k + rng.randint(3, 70))) for k in range(8)]
+        self.count = 0
+
+    def request(self):
+        rng = self.rng
+        sys_tokens = rng.choice(self.systems)
+        chunks = rng.sample(self.docs, rng.randint(1, 3))
+        question = [40000 + rng.randrange(50) for _ in range(rng.randint(1, 24))]
+        mode = rng.choice([{}, {"graphchunk_mode": "blend", "graphchunk_recompute": "legolink",
+                                "graphchunk_recompute_tokens": 2},
+                           {"graphchunk_mode": "blend", "graphchunk_recompute": "none"},
+                           {"graphchunk_mode": "blend", "graphchunk_recompute": "cacheblend",
+                            "graphchunk_recompute_ratio": 1.0},
+                           {"graphchunk_mode": "blend", "graphchunk_recompute": "question",
+                            "graphchunk_recompute_ratio": 0.3}])
+        max_tokens = rng.randint(1, 6)
+        return self.make(sys_tokens, chunks, question, mode, rng.choice([None, None, "tenant-b"]), max_tokens)
+
+    def make(self, sys_tokens, chunks, question, mode: dict | None = None, salt: str | None = None,
+             max_tokens: int = 4):
+        """A segmented request of these parts (token lists), annotated as graphchunk's frontend does."""
+        from vllm import SamplingParams
+        from vllm.v1.request import Request
+
+        tokens, boundaries = list(sys_tokens), []
+        for chunk in chunks:
+            boundaries.append(len(tokens))
+            tokens += chunk
+        boundaries.append(len(tokens))
+        tokens += question
+        params = SamplingParams(max_tokens=max_tokens,
+                                extra_args={"graphchunk_boundaries": boundaries, **(mode or {})})
+        shell = SimpleNamespace(prompt_token_ids=tokens, sampling_params=params, lora_request=None, mm_features=None,
+                                cache_salt=salt)
+        self.annotator.annotate(shell)
+        self.count += 1
+        return Request(f"r{self.count}", tokens, params, None, cache_salt=shell.cache_salt, block_hasher=self.hasher)
+
+    def ordinary(self, num_tokens: int, max_tokens: int = 2):
+        """A prompt with no documents (vLLM computes it alone)."""
+        from vllm import SamplingParams
+        from vllm.v1.request import Request
+
+        self.count += 1
+        return Request(f"r{self.count}", [50000 + i for i in range(num_tokens)], SamplingParams(max_tokens=max_tokens),
+                       None, block_hasher=self.hasher)
+
+
+def dataclass_replace(config, **changes):
+    import dataclasses
+
+    return dataclasses.replace(config, **changes)
+
+
+class Steps:
+    """vLLM's engine core loop: ``step`` schedules and hands the step to the workers; their output
+    reaches the scheduler at once (synchronous scheduling), or, with asynchronous scheduling (its
+    ``AsyncScheduler``, a queue of two steps as ``EngineCore.step_with_batch_queue`` keeps), after
+    the next step has been scheduled."""
+
+    def __init__(self, scheduler, workers, asynchronous: bool):
+        self.scheduler, self.workers, self.depth = scheduler, workers, 2 if asynchronous else 1
+        self.queue: list = []
+        self.finished: dict[str, object] = {}
+        """Requests vLLM reported finished, with their ``FinishReason``."""
+        self.aborted: set[str] = set()
+
+    def abort(self, req_id: str) -> None:
+        """The client goes away (vLLM's ``finish_requests``, as the API server calls it)."""
+        from vllm.v1.request import RequestStatus
+
+        self.scheduler.finish_requests([req_id], RequestStatus.FINISHED_ABORTED)
+        self.aborted.add(req_id)
+
+    def step(self):
+        so = self.scheduler.schedule()
+        self.queue.append((so, self.workers.step(so, self.scheduler)))
+        if len(self.queue) >= self.depth or not so.total_num_scheduled_tokens:
+            self.flush(keep=0 if not so.total_num_scheduled_tokens else self.depth - 1)
+        return so
+
+    def flush(self, keep: int = 0):
+        while len(self.queue) > keep:
+            for outputs in self.scheduler.update_from_output(*self.queue.pop(0)).values():
+                for out in outputs.outputs:
+                    if out.finish_reason is not None:
+                        self.finished[out.request_id] = out.finish_reason
+
+    def served_wrong(self) -> dict[str, int]:
+        """Requests that read context KV not their semantics' and were not failed: served wrong."""
+        from vllm.v1.engine import FinishReason
+
+        return {r: n for r, n in self.workers.bad_reads.items()
+                if self.finished.get(r) != FinishReason.ERROR and r not in self.aborted}
