@@ -149,7 +149,7 @@ def test_question_policy_recomputes_what_the_question_attends_to_in_hf(gc_llm, o
     assert (other_logprobs[0] - logprobs[0]).abs().max() > 0.05
 
 
-def test_siblings_of_an_n_request_each_blend_their_whole_context(gc_llm, docs, text):
+def test_siblings_of_an_n_request_each_blend_their_whole_context(gc_llm, docs):
     """n = 2 with the question policy, every chunk a hit: vLLM copies the annotated request into
     two children, salt included; the engine core gives each child's salt its own request id
     (``plugin._distinct_sibling_salts``), so neither takes a prefix hit on the other's blended
@@ -159,8 +159,9 @@ def test_siblings_of_an_n_request_each_blend_their_whole_context(gc_llm, docs, t
     from vllm import SamplingParams
 
     policy = {"graphchunk_mode": "blend", "graphchunk_recompute": "question", "graphchunk_recompute_ratio": 0.3}
-    generate(gc_llm, [RagPrompt(text.text(12), [docs[0], docs[3]], "Warm?")], BLEND_NONE)
-    prompt = RagPrompt(text.text(11), [docs[3], docs[0]], text.question(11), extra=policy)
+    generate(gc_llm, [RagPrompt("Warm the documents.", [docs[0], docs[3]], "Warm?")], BLEND_NONE)
+    prompt = RagPrompt("Answer from the documents.", [docs[3], docs[0]], "Question: what do they describe?\nAnswer:",
+                       extra=policy)  # (no new text: the module's sources are budgeted, see ``text``)
     before = gc_llm.stats()
     [output] = gc_llm.generate([prompt], SamplingParams(n=2, temperature=1.0, max_tokens=2, logprobs=5, seed=0))
     delta = {name: gc_llm.stats()[name] - before[name] for name in COUNTERS}

@@ -129,22 +129,25 @@ def test_a_fill_that_would_read_other_kv_fails_the_request_and_is_never_cached(s
                                                                                tokenizer):
     """The workers' epoch check (``cache/context_run.py``), end to end: a fill whose pool blocks no
     longer hold what its plan named does not copy; vLLM fails the request (finish_reason 'error')
-    through its KV-load-failure path and evicts the request's blocks from its prefix cache, so the
-    same request afterwards is computed afresh and exact."""
+    through its KV-load-failure path, the request's blocks leave vLLM's prefix cache, and the
+    entries it would have copied leave the pool's index (``entries_failed``: its sys prompt and
+    two chunks), so the same request afterwards computes them afresh and is exact."""
     llm = small_pool_llm
     text = joined_sources(paragraphs, tokenizer, 6)
     c = RagPrompt(text.text(40), [text.text(120) for _ in range(2)], text.question(12))
     c_reversed = RagPrompt(c.sys, c.chunks[::-1], c.question)
     _generate(llm, oracle, [c])
     assert _run_in_worker(llm, _shift_epochs, 10**9) > 0
+    failures = llm.stats()["entries_failed"]
     try:
         (failed,) = llm.generate([c_reversed], sampling())
     finally:
         _run_in_worker(llm, _shift_epochs, -10**9)
     assert failed.outputs[0].finish_reason == "error", failed.outputs[0]
     delta = _generate(llm, oracle, [c_reversed])  # exact: nothing of the failed fill was served again
-    assert delta["hits"] == 2 and delta["misses"] == 0, delta
+    assert delta["hits"] == 0 and delta["misses"] == 2, delta
     stats = llm.stats()
+    assert stats["entries_failed"] - failures == 3, stats
     assert stats["pool_refs_held"] == 0 and stats["pool_blocks_leaked"] == 0, stats
 
 
