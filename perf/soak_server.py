@@ -265,7 +265,11 @@ class Servers:
             m = self.metrics()
             return {name: m.get(name) for name in (*LEAK_GAUGES, KV_USAGE)}
 
-        values = poll(lambda: (lambda v: v if all(x == 0 for x in v.values()) else None)(read()), 30.0) or read()
+        def clean():
+            values = read()
+            return values if all(v == 0 for v in values.values()) else None
+
+        values = poll(clean, 30.0) or read()
         return {"incarnation": self.incarnation, **values}
 
     def health(self) -> int | str:

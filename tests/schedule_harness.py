@@ -172,20 +172,20 @@ class Workers:
 
         work = work_of(so.kv_connector_metadata)
         refused = {fill.req_id: fill for fill in work.fills if fill.refused}
-        invalid, finished, failed, loaded = set(), set(), set(), []
+        invalid, finished, failed, bad_fills = set(), set(), set(), []
         for rank, engine in enumerate(self.engines):
             loads = {load.req_id: load for load in engine.loads + list(work.loads)}
             with engine.step(so):
                 engine.fill_context()
                 fills = [f for f in work.fills if not f.refused]
                 self.check_fills(engine, [f for f in fills if self.copies_hold(engine, f)])
-                loaded += [f for f in fills if not self.copies_hold(engine, f)]
+                bad_fills += [f for f in fills if not self.copies_hold(engine, f)]
                 self.forward(engine, so, scheduler)
             for req_id in engine.take_loaded():
                 if req_id not in so.finished_req_ids:  # else dropped: its request left before its jobs ran
                     load = loads[req_id]
                     if not self.copies_hold(engine, load):
-                        loaded.append(load)
+                        bad_fills.append(load)
                     else:
                         self.check_fills(engine, [load])
                 self.loaded[req_id] = self.loaded.get(req_id, 0) + 1
@@ -197,7 +197,7 @@ class Workers:
                 self.done_before[rank] = engine.done_before
         self.faulted |= failed
         expected_invalid = {b for fill in refused.values() for b in fill.block_ids}
-        for load in loaded:  # a fill that failed its check: only one that copies a bad entry may
+        for load in bad_fills:  # a fill that failed its check: only one that copies a bad entry may
             assert any(unit.epoch in self.faulted for unit in load.units), \
                 f"request {load.req_id}: a copy failed its epoch check: it would have read a block it did not plan"
             self.failed_fills.add(load.req_id)

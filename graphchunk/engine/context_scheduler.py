@@ -207,9 +207,9 @@ class ContextScheduler:
 
     def matched(self, req_id: str, token_ids, extra_args: dict, num_computed: int) -> tuple[int | None, bool]:
         state = self._request(req_id, token_ids, extra_args)
+        self._leave_room(req_id)  # taken again below while it still finds no room
         if num_computed >= state.context_len or state.prefilled:
             self._drop_plan(state)
-            self._leave_room(req_id)
             return 0, False
         if state.refused is not None:
             state.start = num_computed
@@ -220,7 +220,6 @@ class ContextScheduler:
             mode = "isolated" if request.policy is None else "blend"
             if self.prefill_instead(request, num_computed, state.context_len):
                 state.prefilled = True
-                self._leave_room(req_id)
                 self.metrics.blend_full_prefills += 1
                 if self._captures_from(state, num_computed):
                     self._capturing[req_id] = request
@@ -237,12 +236,10 @@ class ContextScheduler:
                     logger.debug("graphchunk: request %s waits for pool room: %s", req_id, exc)
                     self._room_for = self._room_for or req_id
                     return None, False
-                self._leave_room(req_id)
                 state.start = num_computed
                 state.refused = (f"graphchunk: request {req_id}'s context cannot fit the chunk pool even when "
                                  f"empty ({exc}); raise graphchunk.pool_tokens or send fewer, longer chunks")
                 return state.context_len - num_computed, False
-            self._leave_room(req_id)
             self._jobs += plan.jobs
             self._counts += plan.counts
             state.plan, state.start = plan, num_computed
