@@ -26,7 +26,7 @@ demo: model
 	$(BIN)/graphchunk-serve-demo
 
 test: model docs
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --durations=30
 
 docs: setup
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet

@@ -120,7 +120,9 @@ class GraphChunkConfig:
     to [0, L); FusionRAG's contextualized chunk KV, online). 'context' costs no chunk forward at
     all and, measured on the oracle, blended requests over such entries answer closer to full
     prefill (docs/quality.md); but an entry then depends on the request that first brought its
-    chunk, not on the chunk alone."""
+    chunk, not on the chunk alone, so it is taken only from a request with a ``cache_salt`` and
+    read only by requests with the same salt (one tenant; DESIGN.md §2): requests without a salt
+    use entries computed alone."""
     blend_prefix: str = ""
     """Text computed before every blend chunk (DESIGN.md §2's fixed model-level prefix, the same
     tokens before every chunk; '': each chunk alone, from position 0): a chunk's entry holds the

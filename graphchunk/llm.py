@@ -38,6 +38,9 @@ class RagPrompt:
     extra: dict[str, Any] = field(default_factory=dict)
     """This prompt's ``SamplingParams.extra_args`` (e.g. ``{"graphchunk_mode": "blend"}``); they
     override the same keys given to ``generate`` / ``chat`` or in the sampling params."""
+    cache_salt: str | None = None
+    """vLLM's ``cache_salt`` (one tenant): only requests with the same salt share KV, chunk-pool
+    entries included (and blend entries taken from full prefills, ``blend_entries`` 'context')."""
 
 
 def encode_prompt(tokenizer, prompt: RagPrompt) -> tuple[list[int], list[int]]:
@@ -126,7 +129,10 @@ class GraphChunkLLM:
             if isinstance(prompt, RagPrompt):
                 token_ids, boundaries = self.encode(prompt)
                 p.extra_args = {**p.extra_args, **prompt.extra, BOUNDARIES_ARG: boundaries}
+                salt = prompt.cache_salt
                 prompt = {"prompt_token_ids": token_ids}
+                if salt is not None:
+                    prompt["cache_salt"] = salt
             inputs.append(prompt)
             all_params.append(p)
         return self.llm.generate(inputs, all_params, use_tqdm=use_tqdm)

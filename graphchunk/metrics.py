@@ -115,6 +115,8 @@ class CacheMetrics:
                                            "(blend_entries='context') instead of computed alone")
     blend_recompute_deferrals: int = _counter("Times an all-hit blend-mode request was put off to a later step "
                                               "because the step's recompute budget was spent")
+    loads_dropped: int = _counter("Asynchronous context loads dropped because their request left (cancelled or failed) "
+                                  "while it waited for its misses; reported to vLLM, which then frees the request")
     entries_failed: int = _counter("Pool entries dropped from the index because a worker found them not holding what "
                                    "was planned (a job read the wrong input, or a copy failed its check): the requests "
                                    "copying them failed; the next request computes them again")

@@ -144,6 +144,10 @@ def parse_args(argv=None):
     p.add_argument("--plot", type=Path, default=REPO / "perf/results/blend_quality.png")
     args = H.parse_with_quick(p, argv, QUICK)
     args.settings = parse_settings(args.settings)
+    if args.blend_entries == "context" and args.no_salt:
+        raise SystemExit("--blend-entries context needs the per-setting cache_salt: graphchunk takes blend entries "
+                         "from a full prefill only under a cache_salt (one tenant's entries), so --no-salt would "
+                         "measure entries computed alone")
     if args.baseline:
         args.baseline = one_setting(args.baseline).label
         if args.baseline not in [s.label for s in args.settings]:

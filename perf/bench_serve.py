@@ -13,7 +13,8 @@ chunk pool takes half, sized to hold each level's working set, said in the JSON)
 * ``blend``: ``--worker-cls graphchunk.Runner`` with ``{"graphchunk": {"mode": "blend"}}`` (its
   default recompute policy), named so that the row is blend whatever graphchunk's default mode;
   ``blend:POLICY`` with that policy as the deployment's default; ``blend-context`` and
-  ``blend-context:POLICY`` the same with ``blend_entries: context`` (entries taken from full prefills);
+  ``blend-context:POLICY`` the same with ``blend_entries: context`` (entries taken from full prefills;
+  every request carries one tenant's ``cache_salt``, ``TENANT``: graphchunk takes none without one);
   ``blend-prefix`` and ``blend-prefix:POLICY`` with ``blend_prefix: BLEND_PREFIX`` (every chunk
   computed after that fixed text).
 
@@ -103,6 +104,16 @@ def settings_of(kind: str) -> dict | None:
     return {**(entries or {}), **{key.removeprefix("graphchunk_"): value for key, value in setting.extra.items()}}
 
 
+TENANT = "bench-serve"
+"""The cache_salt of every request to a ``blend-context`` server: one tenant, whose requests' full
+prefills become the blend entries its other requests read (graphchunk captures none without a salt)."""
+
+
+def tenant_of(kind: str) -> str | None:
+    """The cache_salt the requests of server ``kind`` carry (None: none)."""
+    return TENANT if (settings_of(kind) or {}).get("blend_entries") == "context" else None
+
+
 COUNTERS = ("graphchunk_lookups_total", "graphchunk_hits_total", "graphchunk_misses_total",
             "graphchunk_tier_hits_total", "graphchunk_evictions_total", "graphchunk_tokens_reused_total",
             "graphchunk_tokens_computed_total", "graphchunk_blend_tokens_recomputed_total",
@@ -145,9 +156,11 @@ def vllm_bench_serve(argv: list[str]) -> dict:
         datasets.CustomDataset.sample = original
 
 
-def bench_argv(args, url: str, model: str, jsonl: Path, n: int, c: int, result: Path, label: str) -> list[str]:
-    """The ``vllm bench serve`` arguments of one pass."""
+def bench_argv(args, url: str, model: str, jsonl: Path, n: int, c: int, result: Path, label: str,
+               salt: str | None = None) -> list[str]:
+    """The ``vllm bench serve`` arguments of one pass; ``salt``: every request's cache_salt."""
     chat = args.format == "chat"
+    salted = ["--extra-body", json.dumps({"cache_salt": salt})] if salt else []
     return ["--backend", "openai-chat" if chat else "openai", "--base-url", url,
             "--endpoint", "/v1/chat/completions" if chat else "/v1/completions", "--model", model,
             "--dataset-name", "custom", "--dataset-path", str(jsonl), "--skip-chat-template", "--disable-shuffle",
@@ -155,7 +168,7 @@ def bench_argv(args, url: str, model: str, jsonl: Path, n: int, c: int, result: 
             "--max-concurrency", str(c), "--request-rate", "inf", "--ignore-eos", "--temperature", "0",
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
             "--ready-check-timeout-sec", "0", "--disable-tqdm", "--request-id-prefix", label + "-",
-            "--seed", str(args.seed), "--save-result", "--save-detailed", "--result-filename", str(result)]
+            "--seed", str(args.seed), "--save-result", "--save-detailed", "--result-filename", str(result), *salted]
 
 
 # --- servers ------------------------------------------------------------------------------------
@@ -237,7 +250,7 @@ def run_pass(args, server: VllmServer, kind: str, phase: str, level, trace: str,
     result_file = work / "results" / f"{label}.json"
     result_file.parent.mkdir(parents=True, exist_ok=True)
     log(f"[serve] pass {label}: {n} requests at concurrency {c}")
-    argv = bench_argv(args, server.url, str(server.model), jsonl, n, c, result_file, label)
+    argv = bench_argv(args, server.url, str(server.model), jsonl, n, c, result_file, label, tenant_of(kind))
     before = counters(server.url)
     vllm_bench_serve(argv)
     after = counters(server.url)

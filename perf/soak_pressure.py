@@ -28,12 +28,23 @@ per body, so a batch of token ids shares one document order (same boundaries: th
 in their questions), a batch of text prompts mixes combinations and orders. ``--salt-fraction``
 of the bodies carry a tenant ``cache_salt`` (it changes no answer, only which chunk entries a
 request may use). Client disconnects at small rates (the soak's abort kinds: ``abort_stream``,
-``abort_prefill``, ``abort_nostream``, ``soak_client.Client``). Greedy, ``ignore_eos``,
-``--max-tokens``.
+``abort_prefill``, ``abort_nostream``, ``soak_client.Client``), and at ``--abort-misses`` a body of
+documents no other request carries (all misses), streamed and closed within
+``--abort-misses-window`` seconds of the headers, while its misses are computed (a small
+``--miss-budget`` spreads them over several steps); graphchunk counts the ones that left while
+waiting for an asynchronous load (``loads_dropped``). Greedy, ``ignore_eos``, ``--max-tokens``.
 
-After the traffic: the engine drained, graphchunk's pool gauges read (``graphchunk_pool_refs_held``
-and ``graphchunk_pool_blocks_leaked`` must be 0), a final request checked (the server alive and
-correct), the counters read (evictions, hits, misses; ``vllm:num_preemptions_total``), the
+Fill failures (``--fail-fill-every N``): the server runs ``soak_fill_faults.FaultyRunner``, which
+poisons one pool entry on every Nth step that copies from the pool (until the traffic ends): the
+request copying it must fail (vLLM's KV-load-failure path, an HTTP error) and give its blocks
+back, and the entry must leave the pool's index (``entries_failed``). The report attributes every
+failed request and every failed copy to an injection (``fill_faults``).
+
+After the traffic: the engine drained (nothing running or waiting), graphchunk's pool gauges read
+(``graphchunk_pool_refs_held`` and ``graphchunk_pool_blocks_leaked`` must be 0, and vLLM's
+``vllm:kv_cache_usage_perc``: cancelled and failed requests gave their blocks back), a final
+request checked (the server alive and correct; sent twice at most with fill failures injected,
+where the first read an entry poisoned before they stopped), the counters read (evictions, hits, misses; ``vllm:num_preemptions_total``), the
 server stopped and its log scanned for error lines. Then every completed prompt is compared with
 its reference, token for token (HF transformers in fp32, ``graphchunk.reference.oracle``):
 
@@ -45,9 +56,10 @@ its reference, token for token (HF transformers in fp32, ``graphchunk.reference.
 
 A mismatch counts as wrong unless the reference's own logprob gap between its token and the
 server's at the first difference is at most ``--tie-tol`` (a float near tie: counted apart as
-``near_ties``, with its gap). Writes ``--out`` (JSON; a mode's ``passed``: 0 wrong, 0 errors,
-0 references held and 0 blocks leaked when idle, evictions > 0, the server alive and correct
-after the traffic, no error line in its log before its shutdown) and exits 1 unless every mode
+``near_ties``, with its gap). Writes ``--out`` (JSON; a mode's ``passed``: 0 wrong, no error but
+those injected fill failures cause, 0 references held, 0 blocks leaked and vLLM's KV cache unused
+when idle, nothing left waiting, evictions > 0, the server alive and correct after the traffic,
+no error line in its log before its shutdown but the injections') and exits 1 unless every mode
 passed. vLLM's preemptions are counted, not required (a few per hundred bodies at the defaults).
 
 Reuses the soak's modules (perf/ on ``sys.path``): ``soak_trace`` (corpus, ``Item``, ``Encoder``),
@@ -58,7 +70,9 @@ layout as the server saw it); ``harness`` for what every perf script shares.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
+import os
 import random
 import re
 import sys
@@ -77,14 +91,27 @@ from graphchunk.tools.serve_demo import free_port  # noqa: E402
 import harness as H  # noqa: E402
 from soak_check import _prompt  # noqa: E402
 from soak_client import Client, Dispatcher, Estimates, Outcome, client_threads, count_statuses  # noqa: E402
-from soak_server import LEAK_GAUGES, Servers  # noqa: E402
+from graphchunk.cache.context_run import POISONED  # noqa: E402
+from soak_fill_faults import EVERY_ENV, INJECTED, OFF_ENV, SEED_ENV  # noqa: E402
+from soak_server import KV_USAGE, LEAK_GAUGES, Servers  # noqa: E402
 from soak_trace import ACTIONS, Encoder, Item, build_corpus, draw_action  # noqa: E402
 
 MODES = ("isolated", "blend-full")
+PRESSURE_ACTIONS = (*ACTIONS, "abort_misses")
+"""The soak's client actions, and ``abort_misses``: a prompt of documents no other request carries
+(all misses), streamed and closed while it waits for them (``BodyClient.abort_misses``)."""
 SALTS = ("tenant-a", "tenant-b")
 COUNTERS = ("lookups", "hits", "misses", "evictions", "tokens_reused", "tokens_computed", "blend_lookups",
             "blend_hits", "blend_misses", "blend_tokens_reused", "blend_tokens_recomputed")
 ERROR_LINE = re.compile(r"\b(ERROR|CRITICAL|Traceback|Exception|EngineDeadError|AssertionError)\b")
+FILL_FAILED = re.compile(r"a context fill would copy pool blocks .*? \(epochs (\[[^\]]*\]), found (\[.*\])\); the request")
+"""graphchunk's error line for a copy that failed its check (``ContextRunner._check``)."""
+FAULT_LINES = re.compile(r"a context fill would copy pool blocks|reads pool blocks .* that no longer hold|"
+                         r"Failing \d+ request\(s\) due to KV load failure")
+"""The error lines an injected fill failure causes: graphchunk's, and vLLM's engine failing the request."""
+KV_LOAD_FAILED = re.compile(r"Failing (\d+) request\(s\) due to KV load failure")
+REQUEST_FAILED = re.compile(r"Request \S+ failed with an internal error during generation")
+"""vLLM's API server's line for each request its engine failed (one per failed request, at most)."""
 
 
 # --- trace --------------------------------------------------------------------------------------
@@ -107,11 +134,19 @@ class Combo:
     questions: tuple[str, ...]
 
 
+def fresh_docs(args) -> int:
+    """Documents kept apart for ``abort_misses`` prompts, each carried once (the corpus's last):
+    enough for the bodies the rate draws on average, and 4 more (a body draws ``abort_prefill``
+    instead once they run out: the corpus holds a few hundred documents)."""
+    return (int(args.requests * args.abort_misses) + 4) * args.docs_per_request[1] if args.abort_misses else 0
+
+
 def build_combos(corpus, args, rng: random.Random) -> list[Combo]:
     combos = []
+    shared = len(corpus.docs) - fresh_docs(args)
     for _ in range(args.combos):
         k = rng.randint(*args.docs_per_request)
-        docs = tuple(rng.sample(range(len(corpus.docs)), k))
+        docs = tuple(rng.sample(range(shared), k))
         combos.append(Combo(rng.choice(corpus.systems), docs,
                             tuple(rng.sample(corpus.questions, args.questions_per_combo))))
     return combos
@@ -125,9 +160,19 @@ def build_trace(corpus, combos: list[Combo], args, rng: random.Random) -> list[B
                     as_ids, doc_ids=tuple(order))
 
     rates = {"abort_stream": args.abort_stream, "abort_prefill": args.abort_prefill,
-             "abort_nostream": args.abort_nostream}
+             "abort_nostream": args.abort_nostream, "abort_misses": args.abort_misses}
+    fresh = list(range(len(corpus.docs) - fresh_docs(args), len(corpus.docs)))
     bodies = []
     for index in range(args.requests):
+        action = draw_action(rng, rates)
+        if action == "abort_misses" and len(fresh) >= args.docs_per_request[1]:
+            order = tuple(fresh.pop() for _ in range(rng.randint(*args.docs_per_request)))
+            p = Item(0, rng.choice(corpus.systems), tuple(corpus.docs[d] for d in order), rng.choice(corpus.questions),
+                     True, doc_ids=order)
+            bodies.append(Body(index, p.sys, p.docs, p.question, True, action, rng.random(), order, prompts=(p,),
+                               combos=(-1,)))
+            continue
+        action = "abort_prefill" if action == "abort_misses" else action
         c = rng.randrange(len(combos))
         if rng.random() < args.batch_fraction:
             size = rng.randint(2, 4)
@@ -140,7 +185,6 @@ def build_trace(corpus, combos: list[Combo], args, rng: random.Random) -> list[B
                 prompts, kind = [prompt(u, as_ids=False) for u in used], "text"
         else:
             prompts, kind, used = [prompt(c, as_ids=rng.random() < args.ids_fraction)], "", (c,)
-        action = draw_action(rng, rates)
         salt = rng.choice(SALTS) if rng.random() < args.salt_fraction else None
         first = prompts[0]
         bodies.append(Body(index, first.sys, first.docs, first.question, first.as_ids, action, rng.random(),
@@ -187,11 +231,22 @@ class BodyClient(Client):
         self.estimates.add("latency", time.monotonic() - out.start)
         self.close()
 
+    miss_window = 2.0
+    """abort_misses: seconds after the response headers within which the client closes (its
+    ``delay`` share of them), while the request's misses are computed (``--abort-misses-window``)."""
+
+    def abort_misses(self, item: Body, out: Outcome) -> None:
+        self._streamed(item, out, item.delay * self.miss_window)
+        if out.status == "aborted" and out.kind == "abort_prefill":
+            out.kind = "abort_misses"
+
 
 # --- servers ------------------------------------------------------------------------------------
 
 def mode_settings(mode: str, args, pool_tokens: int, max_chunk_len: int) -> dict:
     gc = {"pool_tokens": pool_tokens, "max_chunks": max(8, args.docs_per_request[1]), "max_chunk_len": max_chunk_len}
+    if args.miss_budget:
+        gc["miss_budget"] = args.miss_budget
     if mode == "isolated":
         gc["mode"] = "isolated"
     else:
@@ -201,17 +256,37 @@ def mode_settings(mode: str, args, pool_tokens: int, max_chunk_len: int) -> dict
     return gc
 
 
-def error_lines(log_path: str, limit: int = 40) -> dict:
+def error_lines(log_path: str, faults: bool, limit: int = 40) -> dict:
     """The server log's lines that look like errors, before its shutdown began (count and the first
-    ``limit``) and after (vLLM's own SIGTERM teardown logs an EngineDeadError traceback: counted apart)."""
+    ``limit``) and after (vLLM's own SIGTERM teardown logs an EngineDeadError traceback: counted
+    apart); with ``faults`` (fill failures injected) the lines they cause are counted apart too."""
     try:
         lines = Path(log_path).read_text(errors="replace").splitlines()
     except OSError:
-        return {"count": None, "lines": [], "at_shutdown": None}
+        return {"count": None, "lines": [], "at_shutdown": None, "from_injected_faults": None}
     end = next((i for i, line in enumerate(lines) if "[shutdown]" in line), len(lines))
     found = [line for line in lines[:end] if ERROR_LINE.search(line)]
-    return {"count": len(found), "lines": found[:limit],
+    expected = [line for line in found if faults and FAULT_LINES.search(line)]
+    # As many API-server lines as the engine failed requests for a KV load failure are theirs.
+    failed = sum(int(n) for line in expected for n in KV_LOAD_FAILED.findall(line))
+    expected += [line for line in found if REQUEST_FAILED.search(line)][:failed]
+    found = [line for line in found if line not in expected]
+    return {"count": len(found), "lines": found[:limit], "from_injected_faults": len(expected),
             "at_shutdown": sum(bool(ERROR_LINE.search(line)) for line in lines[end:])}
+
+
+def fill_faults(log_text: str) -> dict:
+    """The injected fill failures the server log shows: entries poisoned (``soak_fill_faults``),
+    copies that failed their check and whether each found only poisoned blocks (an injection's,
+    directly or through a job that read one: explained) or anything else (a real lifetime bug)."""
+    injected = len(re.findall(re.escape(INJECTED), log_text))
+    lines = FILL_FAILED.findall(log_text)
+    failed = [json.loads(found) for _, found in lines]
+    explained = sum(all(e == POISONED for unit in found for e in unit) for found in failed)
+    per_epoch = collections.Counter(e for planned, _ in lines for e in json.loads(planned))
+    return {"injected": injected, "copies_failed": len(failed), "copies_failed_unexplained": len(failed) - explained,
+            "entries_read_poisoned": len(per_epoch), "most_copies_failed_per_entry": max(per_epoch.values(), default=0),
+            "jobs_poisoned": len(re.findall(r"reads pool blocks .* that no longer hold", log_text))}
 
 
 # --- references ---------------------------------------------------------------------------------
@@ -315,7 +390,7 @@ class PressureSoak:
         rng = random.Random(args.seed)
         self.model_path = H.resolve_model(args.model)
         self.tokenizer = H.load_tokenizer(self.model_path)
-        self.corpus = build_corpus(self.tokenizer, args.docs, tuple(args.doc_tokens), args.questions,
+        self.corpus = build_corpus(self.tokenizer, args.docs + fresh_docs(args), tuple(args.doc_tokens), args.questions,
                                    tuple(args.question_words), rng)
         self.combos = build_combos(self.corpus, args, rng)
         self.trace = build_trace(self.corpus, self.combos, args, rng)
@@ -350,13 +425,21 @@ class PressureSoak:
         port = free_port()
         self.servers.incarnation = mode
         settings = mode_settings(mode, a, self.pool_tokens, self.max_chunk_len)
-        self.servers.start(f"graphchunk-{mode}", "graphchunk.Runner", None, port, log_requests=True,
-                           settings=settings)
+        worker, env = "graphchunk.Runner", None
+        faults_off = self.log_dir / f"faults-off-{mode}"
+        if a.fail_fill_every > 0:  # graphchunk's worker that poisons pool entries (perf/ on the path)
+            worker = "soak_fill_faults.FaultyRunner"
+            faults_off.unlink(missing_ok=True)
+            env = {EVERY_ENV: str(a.fail_fill_every), SEED_ENV: str(a.seed), OFF_ENV: str(faults_off),
+                   "PYTHONPATH": os.pathsep.join(p for p in (str(PERF), os.environ.get("PYTHONPATH", "")) if p)}
+        self.servers.start(f"graphchunk-{mode}", worker, None, port, log_requests=True, settings=settings, env=env)
         server = self.servers.current
         estimates = Estimates()
 
         def new_client():
-            return BodyClient("127.0.0.1", port, self.encoder, estimates, a.request_timeout)
+            client = BodyClient("127.0.0.1", port, self.encoder, estimates, a.request_timeout)
+            client.miss_window = a.abort_misses_window
+            return client
 
         started = time.monotonic()
         died = None
@@ -380,19 +463,33 @@ class PressureSoak:
             outcomes = sorted(dispatcher.outcomes, key=lambda o: o.item.index)
             after = {}
             if died is None:
+                faults_off.touch()
                 drained = self.servers.drain()
                 leaks = self.servers.read_leaks()
-                client = new_client()
-                final = client.run(self._final_body(), mode)
-                client.close()
+                final, final_attempts = self._final(new_client, mode, server.log_path)
                 self.servers.drain()
                 metrics = self.servers.metrics()
-                after = {"drained": drained, "leaks": leaks, "final": final, "metrics": metrics,
-                         "health": self.servers.health()}
+                after = {"drained": drained, "leaks": leaks, "final": final, "final_attempts": final_attempts,
+                         "metrics": metrics, "health": self.servers.health()}
         finally:
             if self.servers.current is not None:
                 self.servers.stop()
         return self._report(mode, settings, outcomes, wall, died, after, server.log_path)
+
+    def _final(self, new_client, mode: str, log_path) -> tuple[Outcome, int]:
+        """The final request (``_final_body``), and how many times it was sent: twice where the
+        first read an entry poisoned before the faults stopped (that failure drops every bad entry
+        it read from the index, so the second computes them again and must complete)."""
+        for attempt in (1, 2):
+            failed_before = fill_faults(Path(log_path).read_text(errors="replace"))["copies_failed"]
+            client = new_client()
+            final = client.run(self._final_body(), mode)
+            client.close()
+            if final.status == "ok" or self.args.fail_fill_every <= 0 or attempt == 2:
+                return final, attempt
+            self.servers.drain()
+            if fill_faults(Path(log_path).read_text(errors="replace"))["copies_failed"] == failed_before:
+                return final, attempt  # failed for another reason
 
     def _final_body(self) -> Body:
         """After the traffic: the first combination's documents in reverse, as token ids."""
@@ -457,12 +554,19 @@ class PressureSoak:
         counters = {name: int(m.get(f"graphchunk_{name}_total", 0)) for name in COUNTERS}
         log_text = Path(log_path).read_text(errors="replace") if Path(log_path).exists() else ""
         refs_held, blocks_leaked = (leaks.get(n) for n in LEAK_GAUGES)
-        server_errors = error_lines(str(log_path))
+        faults = self.args.fail_fill_every > 0
+        server_errors = error_lines(str(log_path), faults)
+        injected = fill_faults(log_text)
         invariants = {
             "no_wrong": checks["wrong"] == 0 and checks["checked"] > 0,
-            "no_errors": not errors and died is None,
+            # Without injected faults no request fails; with them, only those whose copy read a
+            # poisoned entry (one failed copy each, at most), and no copy fails for another reason.
+            "errors_only_from_injected_faults": died is None and injected["copies_failed_unexplained"] == 0 and (
+                len(errors) <= injected["copies_failed"] if faults else not errors),
             "no_refs_held_idle": refs_held == 0,
             "no_blocks_leaked_idle": blocks_leaked == 0,
+            "kv_cache_given_back": leaks.get(KV_USAGE) == 0,
+            "nothing_left_waiting": after.get("drained") is True,
             "evictions_happened": counters["evictions"] > 0,
             "server_alive_after": died is None and after.get("health") == 200 and final_verdict in ("equal", "tie"),
             "no_server_error_lines": server_errors["count"] == 0,
@@ -475,8 +579,9 @@ class PressureSoak:
             "completed": len(ok),
             "completed_prompts": sum(len(o.item.prompts) for o in ok),
             "aborted": len(aborted),
-            "aborts_by_kind": {kind: sum(o.kind == kind for o in aborted) for kind in ACTIONS[1:]},
+            "aborts_by_kind": {kind: sum(o.kind == kind for o in aborted) for kind in PRESSURE_ACTIONS[1:]},
             "late_aborts": sum(o.status == "late" for o in outcomes),
+            "aborts_failed_first": sum(o.status == "error" and o.item.action != "complete" for o in outcomes),
             "errors": len(errors) + (died is not None),
             "wrong": checks["wrong"],
             "near_ties": checks["near_ties"],
@@ -492,6 +597,10 @@ class PressureSoak:
             "vllm_preemptions": int(m.get("vllm:num_preemptions_total", 0)),
             "pool_refs_held": refs_held,
             "pool_blocks_leaked": blocks_leaked,
+            "kv_cache_usage_idle": leaks.get(KV_USAGE),
+            "loads_dropped": int(m.get("graphchunk_loads_dropped_total", 0)),
+            "entries_failed": int(m.get("graphchunk_entries_failed_total", 0)),
+            "fill_faults": {"every": self.args.fail_fill_every, **injected},
             "invariants": invariants,
             "graphchunk_counters": counters,
             "pool_blocks_used_idle": m.get("graphchunk_pool_blocks_used"),
@@ -503,7 +612,7 @@ class PressureSoak:
                        "generation_tokens": int(m.get("vllm:generation_tokens_total", 0)),
                        "drained": after.get("drained")},
             "final_request": {"status": final.status if final else None, "verdict": final_verdict,
-                              "error": final.error if final else None},
+                              "error": final.error if final else None, "attempts": after.get("final_attempts")},
             "server_died": died,
             "server_error_lines": server_errors,
             "error_samples": [{"index": o.item.index, "action": o.item.action, "batch": o.item.batch,
@@ -537,8 +646,9 @@ class PressureSoak:
                      "max_model_len": self.max_model_len, "max_chunk_len": self.max_chunk_len},
             "trace": {"bodies": len(self.trace), "prompts": sum(len(b.prompts) for b in self.trace),
                       "combos": len(self.combos), "documents": len(self.corpus.docs),
-                      "distinct_orders": len({(b.combos[0], p.doc_ids) for b in self.trace for p in b.prompts}),
-                      "actions": {k: sum(b.action == k for b in self.trace) for k in ACTIONS},
+                      "distinct_orders": len({(b.combos[0], p.doc_ids) for b in self.trace for p in b.prompts
+                                              if b.action != "abort_misses"}),
+                      "actions": {k: sum(b.action == k for b in self.trace) for k in PRESSURE_ACTIONS},
                       "concurrency": a.concurrency, "max_tokens": a.max_tokens},
             "wall_s": round(time.monotonic() - started, 1),
             "versions": H.versions(),
@@ -549,7 +659,7 @@ class PressureSoak:
 
 SUMMARY = ("passed", "requests", "completed", "aborted", "errors", "wrong", "near_ties", "checked",
            "batched_bodies", "evictions", "hits", "misses", "vllm_preemptions", "pool_refs_held",
-           "pool_blocks_leaked", "wall_s")
+           "pool_blocks_leaked", "kv_cache_usage_idle", "loads_dropped", "entries_failed", "wall_s")
 
 
 # --- CLI ----------------------------------------------------------------------------------------
@@ -572,6 +682,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="vLLM's own KV cache (beside the pool) in prompts of max_model_len")
     g.add_argument("--kv-cache-bytes", type=int, default=0, help="0: the pool plus --vllm-kv-seqs")
     g.add_argument("--eviction", default="", help="the pool's eviction policy ('': the server's default)")
+    g.add_argument("--miss-budget", type=int, default=0,
+                   help="graphchunk.miss_budget (0: the server's default; small: misses run over several steps)")
     g.add_argument("--startup-timeout", type=float, default=900.0)
     g.add_argument("--request-timeout", type=float, default=600.0)
     g.add_argument("--rss-interval", type=float, default=1.0)
@@ -592,6 +704,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--abort-stream", type=float, default=0.03)
     t.add_argument("--abort-prefill", type=float, default=0.03)
     t.add_argument("--abort-nostream", type=float, default=0.02)
+    t.add_argument("--abort-misses", type=float, default=0.0,
+                   help="share of bodies carrying documents no other request has, closed while their misses run")
+    t.add_argument("--abort-misses-window", type=float, default=2.0,
+                   help="abort_misses: seconds after the headers within which the client closes")
+    t.add_argument("--fail-fill-every", type=int, default=0,
+                   help="every Nth step that copies from the pool poisons one entry it copies first "
+                        "(soak_fill_faults.FaultyRunner; 0: none)")
     t.add_argument("--max-tokens", type=int, default=8)
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--tie-tol", type=float, default=1e-3, help="reference logprob gap below which a difference is a tie")

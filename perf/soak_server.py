@@ -202,9 +202,9 @@ class Servers:
         self.sampling = threading.Event()
 
     def start(self, name: str, worker_cls: str | None, store_root: Path | None, port: int,
-              log_requests: bool = False, settings: dict | None = None) -> VllmServer:
+              log_requests: bool = False, settings: dict | None = None, env: dict | None = None) -> VllmServer:
         """Starts ``current`` and waits until it is healthy; ``settings``: graphchunk's, instead of
-        the soak's (``graphchunk_settings``)."""
+        the soak's (``graphchunk_settings``); ``env``: added to the server's environment."""
         log_path = self.log_dir / f"{name}.log"
         # Soak servers log "Added request X." / "Request X aborted." (AsyncLLM), which counts the
         # disconnects the engine saw; throughput servers log nothing per request.
@@ -214,7 +214,8 @@ class Servers:
         if settings is None:
             settings = graphchunk_settings(self.args, self.pool_tokens, self.max_chunk_len, store_root)
         server = VllmServer(self.model_path, dtype=self.args.dtype, port=port, log_path=log_path,
-                            graphchunk=settings if worker_cls else None, flags=flags, worker_cls=worker_cls)
+                            graphchunk=settings if worker_cls else None, flags=flags, worker_cls=worker_cls,
+                            env=env)
         self.logs.append(str(log_path))
         self.log(f"[soak] starting {name}: vllm {shlex.join(server.args)}")
         server.start()

@@ -25,7 +25,7 @@ from graphchunk.config import GraphChunkConfig
 from graphchunk.engine.chunk_engine import ChunkEngine
 from graphchunk.engine.connector import GraphChunkHandshake, GraphChunkWorkerMeta, connector_config, work_of
 from graphchunk.engine.context_scheduler import PoolHandshake, computed_before
-from graphchunk.engine.frontend import RequestAnnotator
+from graphchunk.engine.frontend import RequestAnnotator, one_tenant
 from graphchunk.engine.kv_binding import blend_prefix_tokens
 from graphchunk.metrics import METRICS_FILE_ENV, CacheMetrics
 
@@ -227,7 +227,8 @@ class Workers:
         """Whether context token ``t`` of ``request`` holds its semantics' KV in ``block_ids``."""
         got = engine.kv.kv.get(engine.kv.slot(block_ids, t))
         return got in expected(request, t, self.prefix) or self.config.blend_entries == "context" and \
-            request.policy is not None and t >= request.seg.layout.sys_len and in_context(request, t, got)
+            request.policy is not None and one_tenant(request.salt) and t >= request.seg.layout.sys_len and \
+            in_context(request, t, got)
 
     def check_fills(self, engine, loads):
         """Every context token of each filled load holds its semantics' KV; where one does not, the
@@ -317,10 +318,10 @@ def make_vllm_scheduler(smollm2_path, gc: dict, asynchronous: bool = False):
 
 class Stream:
     """Random segmented requests over a few shared sys prompts and documents, annotated by
-    graphchunk's own frontend (boundaries, mode, salts)."""
+    graphchunk's own frontend (boundaries, mode, a cache_salt drawn from ``salts``)."""
 
-    def __init__(self, rng: random.Random, config: GraphChunkConfig, hasher):
-        self.rng, self.hasher = rng, hasher
+    def __init__(self, rng: random.Random, config: GraphChunkConfig, hasher, salts=(None, None, "tenant-b")):
+        self.rng, self.hasher, self.salts = rng, hasher, salts
         self.annotator = RequestAnnotator(dataclass_replace(config, separator=""), tokenizer=None)
         self.systems = [list(range(1000 * (k + 1), 1000 * (k + 1) + rng.randint(0, 40))) for k in range(2)]
         self.docs = [list(range(20000 + 500 * k, 20000 + 500 * k + rng.randint(3, 70))) for k in range(8)]
@@ -339,7 +340,7 @@ class Stream:
                            {"graphchunk_mode": "blend", "graphchunk_recompute": "question",
                             "graphchunk_recompute_ratio": 0.3}])
         max_tokens = rng.randint(1, 6)
-        return self.make(sys_tokens, chunks, question, mode, rng.choice([None, None, "tenant-b"]), max_tokens)
+        return self.make(sys_tokens, chunks, question, mode, rng.choice(self.salts), max_tokens)
 
     def make(self, sys_tokens, chunks, question, mode: dict | None = None, salt: str | None = None,
              max_tokens: int = 4):

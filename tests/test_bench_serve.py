@@ -121,7 +121,7 @@ def test_every_check_passed(result):
 def test_a_blend_kind_names_its_recompute_policy():
     """``blend:POLICY`` serves blend with that policy as the deployment's default; a bad one is refused."""
     sys.path.insert(0, str(REPO / "perf"))
-    from bench_serve import settings_of
+    from bench_serve import settings_of, tenant_of
 
     from graphchunk.config import GraphChunkConfig
 
@@ -134,6 +134,8 @@ def test_a_blend_kind_names_its_recompute_policy():
     prefixed = settings_of("blend-prefix:question:0.15")
     assert prefixed["blend_prefix"] and GraphChunkConfig.from_dict(prefixed).blend_prefix == prefixed["blend_prefix"]
     assert settings_of("blend-context") == {"mode": "blend", "blend_entries": "context"}
+    # Its requests carry one tenant's cache_salt (graphchunk captures entries under a salt only).
+    assert tenant_of("blend-context:question:0.15") and not tenant_of("blend") and not tenant_of("vanilla")
     for bad in ("blend-prefix:vanilla", "blend:vanilla", "blend:isolated:0.8", "other", "blend:question:x"):
         with pytest.raises((ValueError, SystemExit)):
             settings_of(bad)

@@ -55,14 +55,14 @@ def test_the_oracle_s_contextual_kv_moves_keys_as_hf_computes_them(oracle, parag
 
 
 def test_a_full_prefill_s_chunks_are_captured_and_blended_from_as_hf_does(context_llm, oracle, paragraphs, tokenizer):
-    """First request (misses): vLLM's full prefill, equal to HF's causal forward, its sys prompt and
-    two chunks captured (nothing computed alone). The same documents reordered behind another
+    """First request (misses, under one tenant's cache_salt): vLLM's full prefill, equal to HF's
+    causal forward, its sys prompt and two chunks captured (nothing computed alone). The same documents reordered behind another
     question: pool hits, blended over the captured KV exactly as HF blends over the first prompt's
     KV moved, the question policy's 30 % picked by HF's attention over it; the chunks-alone
     reference gives other logprobs."""
     text = joined_sources(paragraphs, tokenizer, 13)
     a, b, sys = text.text(120), text.text(90), "Answer from the documents."
-    first = RagPrompt(sys, [a, b], "Question: what do they describe?\nAnswer:", extra=QUESTION)
+    first = RagPrompt(sys, [a, b], "Question: what do they describe?\nAnswer:", extra=QUESTION, cache_salt="tenant")
     before = context_llm.stats()
     outputs = context_llm.generate([first], sampling())
     seg1 = split_at(*context_llm.encode(first), **LIMITS)
@@ -71,7 +71,7 @@ def test_a_full_prefill_s_chunks_are_captured_and_blended_from_as_hf_does(contex
     assert after["blend_full_prefills"] - before["blend_full_prefills"] == 1
     assert [after[k] - before[k] for k in ("blend_entries_captured", "blend_misses", "blend_tokens_recomputed")] == \
         [3, 2, 0]
-    again = RagPrompt(sys, [b, a], "Question: which comes first?\nAnswer:", extra=QUESTION)
+    again = RagPrompt(sys, [b, a], "Question: which comes first?\nAnswer:", extra=QUESTION, cache_salt="tenant")
     outputs = context_llm.generate([again], sampling())
     seg = split_at(*context_llm.encode(again), **LIMITS)
     ids, lay = list(seg.token_ids), seg.layout
@@ -86,6 +86,37 @@ def test_a_full_prefill_s_chunks_are_captured_and_blended_from_as_hf_does(contex
     assert_matches_reference(outputs[0], Reference(tokens, logprobs), "blend over captured entries")
     _, alone = oracle.blend_generate(ids, lay, picked, 1)
     assert (alone[0] - logprobs[0]).abs().max() > 0.05
+
+
+def test_no_request_shapes_another_tenant_s_blend_entries(context_llm, paragraphs, tokenizer):
+    """DESIGN.md §2 (the attacker/victim scenario of issue 46): a victim asks twice over two
+    documents (its first request a full prefill, its second blended over the pool's entries). An
+    attacker sent the same documents first behind a document of its own; under another cache_salt,
+    or with neither request salted, the victim's second answer is what it is with no attacker at
+    all (entries are captured only inside one salt; unsalted requests use entries computed alone).
+    Inside one salt the attacker's context does reach the victim: the check can fail."""
+    text = joined_sources(paragraphs, tokenizer, 31)
+    a, b, planted, sys = text.text(100), text.text(80), text.text(90), "Answer from the documents."
+    first, second = "Question: what do they describe?\nAnswer:", "Question: which comes first?\nAnswer:"
+
+    def victim(salt, attacker_salt=..., tokens: int = 4):
+        context_llm.reset_pool()
+        if attacker_salt is not ...:
+            context_llm.generate([RagPrompt(sys, [planted, a, b], first, extra=QUESTION, cache_salt=attacker_salt)],
+                                 sampling(1))
+        context_llm.generate([RagPrompt(sys, [a, b], first, extra=QUESTION, cache_salt=salt)], sampling(1))
+        out = context_llm.generate([RagPrompt(sys, [b, a], second, extra=QUESTION, cache_salt=salt)],
+                                   sampling(tokens))[0].outputs[0]
+        return list(out.token_ids), [lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids)]
+
+    def assert_same(got, alone, what):
+        assert got[0] == alone[0], what
+        assert max(abs(x - y) for x, y in zip(got[1], alone[1])) < 1e-4, (what, got, alone)
+
+    assert_same(victim("victim", "attacker"), victim("victim"), "under distinct salts")
+    assert_same(victim(None, None), victim(None), "with no salt")
+    shared = victim("victim", "victim")  # one tenant: its own requests shape each other's entries
+    assert max(abs(x - y) for x, y in zip(shared[1], victim("victim")[1])) > 1e-3
 
 
 def _encode(tokenizer, prompt):

@@ -4,6 +4,7 @@ workers, the pool references it holds, and the connector's configuration."""
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 from unittest import mock
 
 import pytest
@@ -15,7 +16,7 @@ from graphchunk.engine.connector import (KV_CONNECTOR, GraphChunkHandshake, Grap
                                          connector_config, work_of)
 from graphchunk.engine.context_scheduler import PoolHandshake, StepWork
 from graphchunk.engine.kv_events import event_blocks
-from graphchunk.engine.frontend import BOUNDARIES_ARG
+from graphchunk.engine.frontend import BOUNDARIES_ARG, SALT_ARG, kv_salt
 from graphchunk.metrics import METRICS_FILE_ENV
 
 BLOCK = 32
@@ -331,19 +332,12 @@ def test_blend_entries_context_captures_a_full_prefill_s_segments_in_the_step_co
     of each segment it lacked, job ids from the jobs' sequence, for the workers to run after that
     step's forward. Its entries are ready once the workers report past them: a later request over
     the same documents is all hits, filled from them. A request aborted before its context is
-    complete captures nothing and holds nothing."""
-    import dataclasses
-
-    from vllm import SamplingParams
-    from vllm.v1.request import Request, RequestStatus
+    complete captures nothing and holds nothing. (Every request here carries one tenant's salt.)"""
+    from vllm.v1.request import RequestStatus
 
     scheduler, hasher = make_scheduler()
     context = scheduler.connector._context()
-    context.config = dataclasses.replace(context.config, blend_entries="context")
-
-    def blend(req_id, tokens, boundaries):
-        params = SamplingParams(max_tokens=8, extra_args={BOUNDARIES_ARG: boundaries, "graphchunk_mode": "blend"})
-        return Request(req_id, tokens, params, None, block_hasher=hasher)
+    blend = capturing(context, hasher, "tenant-a")
 
     scheduler.add_request(blend("x", list(range(7000, 7040)) + C2 + Q, [40, 170]))
     step(scheduler, done_before=0)
@@ -364,8 +358,58 @@ def test_blend_entries_context_captures_a_full_prefill_s_segments_in_the_step_co
     scheduler.add_request(blend("q", SYS + C1 + list(range(5000, 5020)), [40, 150]))
     so, work = step(scheduler, done_before=2)
     assert so.num_scheduled_tokens == {"q": 20} and [f.req_id for f in work.fills] == ["q"]
-    unit = work.fills[0].units[-1]  # (vLLM's prefix cache holds the prompt's first blocks: no salt here)
+    unit = work.fills[0].units[-1]  # (vLLM's prefix cache holds the prompt's first blocks: the same salt)
     assert (unit.entry_blocks, unit.epoch, unit.kind) == (captures[1].entry_blocks, captures[1].epoch, "rotated")
+
+
+def capturing(context, hasher, salt: str | None):
+    """Switches ``context`` to blend_entries 'context'; a maker of blend requests under ``salt``
+    (the client's cache_salt, as graphchunk's frontend writes it into the chunk-key salt)."""
+    import dataclasses
+
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    context.config = dataclasses.replace(context.config, blend_entries="context")
+
+    def blend(req_id, tokens, boundaries, salt=salt):
+        args = {BOUNDARIES_ARG: boundaries, "graphchunk_mode": "blend"}
+        if salt is not None:
+            args[SALT_ARG] = kv_salt(SimpleNamespace(cache_salt=salt, lora_request=None))
+        return Request(req_id, tokens, SamplingParams(max_tokens=8, extra_args=args), None, block_hasher=hasher,
+                       cache_salt=salt)
+    return blend
+
+
+def test_blend_entries_context_captures_only_inside_one_cache_salt(make_scheduler):
+    """DESIGN.md §2: no client chooses the context another client's answer is computed from. A
+    request without a cache_salt (or with an empty one) is never captured: its missing chunks are
+    computed alone, from the next step on, as with blend_entries 'alone'; a request under salt A is
+    captured, and a request under salt B over the same documents finds none of A's entries."""
+    scheduler, hasher = make_scheduler()
+    context = scheduler.connector._context()
+    blend = capturing(context, hasher, None)
+    for n, (salt, chunk) in enumerate(((None, C1), ("", C2))):
+        req_id = f"anonymous{n}"
+        scheduler.add_request(blend(req_id, SYS + chunk + Q, [40, 40 + len(chunk)], salt=salt))
+        so, work = step(scheduler, done_before=2 * n)
+        assert so.num_scheduled_tokens == {req_id: 64} and req_id not in context._capturing
+        so, work = step(scheduler, done_before=2 * n)  # its chunks computed alone, after its first step
+        assert [len(job.token_ids) for job in work.jobs] == [40, len(chunk)] and not work.captures
+        while scheduler.has_unfinished_requests():
+            step(scheduler, done_before=2 * n + 2)
+        context.reset()  # the next request misses again
+    scheduler.add_request(blend("a", SYS + C1 + Q, [40, 150], salt="tenant-a"))
+    captures = ()
+    while scheduler.has_unfinished_requests():
+        so, work = step(scheduler, done_before=4)
+        captures += work.captures
+        assert not work.jobs
+    assert [c.req_id for c in captures] == ["a", "a"]
+    scheduler.add_request(blend("b", SYS + C1 + list(range(5000, 5020)), [40, 150], salt="tenant-b"))
+    so, work = step(scheduler, done_before=6)
+    assert so.num_scheduled_tokens == {"b": 64} and not work.fills  # a full prefill: A's entries are not B's
+    assert "b" in context._capturing
 
 
 def test_a_step_admits_all_hit_blend_requests_up_to_the_recompute_budget(make_scheduler):

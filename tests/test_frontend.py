@@ -444,9 +444,27 @@ def test_generate_keywords_and_precedence(tokenizer):
     assert calls[0][1][0] is shared  # no keywords: the params go through as given
 
 
+class _GraphChunkWorker:
+    """Stands for ``graphchunk.Runner`` (``make_worker_class`` names it ``graphchunk.Worker``)."""
+
+
+_GraphChunkWorker.__module__, _GraphChunkWorker.__qualname__ = "graphchunk", "Worker"
+
+
+class OwnWorker(_GraphChunkWorker):
+    """A deployment's worker built on graphchunk's."""
+
+
+class OtherWorker:
+    pass
+
+
 def test_worker_detection():
     assert is_graphchunk_worker("graphchunk.Runner")
     assert not is_graphchunk_worker("auto") and not is_graphchunk_worker("vllm.v1.worker.cpu_worker.CPUWorker")
+    # A subclass of graphchunk's worker is graphchunk's worker, by class or by the name vLLM resolves.
+    assert is_graphchunk_worker(OwnWorker) and is_graphchunk_worker(f"{__name__}.OwnWorker")
+    assert not is_graphchunk_worker(OtherWorker) and not is_graphchunk_worker(f"{__name__}.OtherWorker")
 
 
 def test_blend_requests_refused_for_a_model_whose_keys_cannot_move(tokenizer):

@@ -178,15 +178,15 @@ def test_no_entry_is_captured_from_a_request_that_was_blended(vllm_scheduler):
     """blend_entries 'context': a question-aware blend request is filled (blended), then preempted
     with its entries evicted, and resumes as vLLM's full prefill (its misses now cost more than
     that): its own blocks hold blended KV, so nothing is captured from it; a request never blended
-    that runs as a full prefill is captured."""
+    that runs as a full prefill is captured, where it carries a cache_salt (one tenant's entries)."""
     scheduler, workers, stream, steps = setup(vllm_scheduler, blend_misses="prefill", blend_entries="context")
     context = scheduler.connector._context()
     mode = {"graphchunk_mode": "blend", "graphchunk_recompute": "question", "graphchunk_recompute_ratio": 0.3}
     documents = docs(20000, 2, 40)
-    warm = stream.make(SYS, documents, [40000], mode)
+    warm = stream.make(SYS, documents, [40000], mode, salt="tenant-a")
     scheduler.add_request(warm)
     run(steps, lambda: warm.request_id in steps.finished)
-    request = stream.make(SYS, documents, [40001, 40002], mode)
+    request = stream.make(SYS, documents, [40001, 40002], mode, salt="tenant-a")
     args = request.sampling_params.extra_args
     assert context.matched(request.request_id, request.prompt_token_ids, args, 0)[0] > 0  # all hits
     context.allocated(request.request_id, list(range(8)), context._requests[request.request_id].context_len)
@@ -194,7 +194,7 @@ def test_no_entry_is_captured_from_a_request_that_was_blended(vllm_scheduler):
     context.reset()  # its entries evicted while it is preempted
     assert context.matched(request.request_id, request.prompt_token_ids, args, 0) == (0, False)  # full prefill
     assert request.request_id not in context._capturing
-    fresh = stream.make(SYS, docs(26000, 2, 40), [40003], mode)
+    fresh = stream.make(SYS, docs(26000, 2, 40), [40003], mode, salt="tenant-a")
     assert context.matched(fresh.request_id, fresh.prompt_token_ids, fresh.sampling_params.extra_args, 0) == (0, False)
     assert fresh.request_id in context._capturing
 

@@ -101,8 +101,10 @@ def test_the_streams_exercise_pressure(vllm_scheduler):
     for seed in range(3):
         rng = random.Random(seed)
         scheduler, handshake, hasher = vllm_scheduler(blend_entries="context" if seed == 2 else "alone")
-        workers, stream = Workers(scheduler.connector._config, handshake, rng), Stream(rng, scheduler.connector._config,
-                                                                                       hasher)
+        # Captures come from salted requests only (one tenant's entries): the capturing seed salts most.
+        salts = ("tenant-a", "tenant-b", None) if seed == 2 else (None, None, "tenant-b")
+        workers = Workers(scheduler.connector._config, handshake, rng)
+        stream = Stream(rng, scheduler.connector._config, hasher, salts)
         for step in range(STEPS):
             for _ in range(rng.choice([0, 1, 2, 4])):
                 scheduler.add_request(stream.request())

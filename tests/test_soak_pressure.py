@@ -5,17 +5,22 @@ The tiny Llama-llama3 checkpoint in fp32 (fast on two cores), one graphchunk ser
 (the worker's start-up minimum) and whose vLLM KV cache holds 1.5 prompts of max_model_len, 8
 client threads replaying a seeded trace of request bodies over a few (sys prompt, document set)
 combinations with the documents reordered: token ids with explicit boundaries and separator
-text, bodies batching 2-4 prompts, tenant cache_salts, client disconnects. Asserts every
-completed prompt equals its HF reference token for token (isolated: the isolated oracle; blend
-at ratio 1: the plain causal forward), no request failed and the server logged no error, the
-pool evicted, its references and blocks are all returned once the engine is idle, and the server
-answered correctly afterwards. vLLM's preemptions are counted in the report, not asserted: how
+text, bodies batching 2-4 prompts, tenant cache_salts, client disconnects (bodies of documents no
+other request carries among them, closed while their misses are computed), and fill failures
+injected by a worker that poisons a pool entry on every 5th step that copies from the pool
+(``perf/soak_fill_faults.py``). Asserts every completed prompt equals its HF reference token for
+token (isolated: the isolated oracle; blend at ratio 1: the plain causal forward), the only
+requests that failed are those whose copy read a poisoned entry (every failed copy found the
+poison, no other copy failed) and the server logged no other error, each poisoned entry left the
+pool's index, the pool evicted, its references and blocks and vLLM's KV cache are all given back
+once the engine is idle, nothing is left waiting, and the server answered correctly afterwards. vLLM's preemptions are counted in the report, not asserted: how
 many happen depends on how the requests overlap (a few per hundred bodies on the tiny model).
 Nothing asserted depends on timing (a planned disconnect that lands after the answer counts as
 late, not as an abort).
 
-The full run (SmolLM2, 500 bodies per mode) writes perf/results/soak_pressure.json:
-``perf/soak_pressure.py``'s defaults.
+The full runs (SmolLM2, 500 bodies per mode): ``perf/soak_pressure.py``'s defaults write
+perf/results/soak_pressure.json (no injected faults); with high disconnect rates and injected fill
+failures, perf/results/soak_aborts.json (docs/correctness.md has the command).
 """
 from __future__ import annotations
 
@@ -32,11 +37,12 @@ import soak_pressure  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-REQUESTS = 40
+REQUESTS = 48
 ARGV = ["--model", "tiny-llama3", "--mode", "both", "--requests", str(REQUESTS), "--concurrency", "8",
         "--docs", "16", "--combos", "8", "--batch-fraction", "0.25", "--salt-fraction", "0.3",
         "--abort-stream", "0.05", "--abort-prefill", "0.05", "--abort-nostream", "0.05",
-        "--startup-timeout", "600"]
+        "--abort-misses", "0.1", "--abort-misses-window", "0.5", "--miss-budget", "32",
+        "--fail-fill-every", "5", "--startup-timeout", "600"]
 
 
 @pytest.fixture(scope="module")
@@ -72,14 +78,25 @@ def test_every_completed_prompt_matches_its_reference(mode):
     assert mode["wrong"] == 0, mode["check"]["wrong_samples"]
     # Every completed body's prompts were checked (and the final request's).
     assert mode["checked"] == mode["completed_prompts"] + 1, mode["check"]
-    assert mode["checked"] >= REQUESTS // 2, mode["check"]
+    assert mode["checked"] >= REQUESTS // 3, mode["check"]  # a third of the bodies are cancelled or fail
     assert mode["final_request"]["verdict"] in ("equal", "tie"), mode["final_request"]
 
 
-def test_no_request_failed_and_the_server_logged_no_error(mode):
-    assert mode["errors"] == 0, (mode["error_samples"], mode["server_died"], _log_tail(mode))
+def test_only_requests_that_read_a_poisoned_entry_failed(mode):
+    faults = mode["fill_faults"]
+    assert faults["copies_failed_unexplained"] == 0, (faults, _log_tail(mode))
+    assert mode["errors"] <= faults["copies_failed"], (mode["error_samples"], mode["server_died"], faults)
     assert mode["server_error_lines"]["count"] == 0, mode["server_error_lines"]
     assert mode["invariants"]["server_alive_after"], (mode["final_request"], _log_tail(mode))
+
+
+def test_injected_fill_failures_drop_their_entries(mode):
+    """40 bodies copy from the pool in more than 5 steps: at least one entry was poisoned, a copy
+    read it, and every poisoned entry a copy read left the pool's index (entries_failed counts
+    each entry the scheduler dropped; entries poisoned by a job reading one add to it)."""
+    faults = mode["fill_faults"]
+    assert faults["injected"] >= 1 and faults["copies_failed"] >= 1, faults
+    assert mode["entries_failed"] >= faults["entries_read_poisoned"] >= 1, faults
 
 
 def test_the_trace_exercised_batches_salts_and_aborts(mode, result):
@@ -87,7 +104,11 @@ def test_the_trace_exercised_batches_salts_and_aborts(mode, result):
     assert mode["batched_bodies_completed"] > 0 and all(mode["batched_by_form"].values()), mode["batched_by_form"]
     assert mode["salted_bodies"] > 0
     planned = sum(n for kind, n in result["trace"]["actions"].items() if kind != "complete")
-    assert planned > 0 and mode["aborted"] + mode["late_aborts"] == planned, (mode["aborts_by_kind"], planned)
+    # A planned disconnect happens, comes too late (the answer first), or the request failed first
+    # (it read a poisoned entry: an HTTP error before the client closed).
+    assert planned > 0 and mode["aborted"] + mode["late_aborts"] + mode["aborts_failed_first"] == planned, \
+        (mode["aborts_by_kind"], planned)
+    assert result["trace"]["actions"]["abort_misses"] > 0
     assert result["trace"]["distinct_orders"] > result["trace"]["combos"]  # documents reordered
 
 
@@ -95,6 +116,7 @@ def test_the_pool_evicted_and_its_accounting_is_exact_when_idle(mode):
     assert mode["evictions"] > 0 and mode["misses"] > 0, mode["graphchunk_counters"]
     assert mode["pool_refs_held"] == 0, mode
     assert mode["pool_blocks_leaked"] == 0, mode
+    assert mode["kv_cache_usage_idle"] == 0, mode  # vLLM's blocks too: failed and cancelled requests'
     assert mode["engine"]["drained"] is True, mode["engine"]
 
 

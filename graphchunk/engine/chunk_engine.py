@@ -118,6 +118,7 @@ class ChunkEngine:
         dropped = {load.req_id for load in self.loads if load.req_id in finished}
         self.loads = [load for load in self.loads if load.req_id not in dropped]
         self.loaded |= dropped
+        self.metrics.loads_dropped += len(dropped)
 
     def _complete_loads(self) -> None:
         """Fills the asynchronous loads whose jobs have all run, and reports every one of them

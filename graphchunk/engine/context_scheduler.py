@@ -30,8 +30,9 @@ Per segmented request (``ChunkRequest``, read once from what graphchunk's fronte
               built (``metadata``), so their jobs run from the next step on, after the prefill;
               with ``blend_entries`` 'context' they are instead filled from the prefill itself, in
               the step that completes its context, after that step's forward (``EntryCapture``),
-              only where that prefill computes every chunk token over its sys prompt alone and
-              the request never had blended KV (``_captures_from``).
+              only for a request with a client's ``cache_salt`` (its entries are keyed by it:
+              that client's alone), whose prefill computes every chunk token over its sys prompt
+              alone, and which never had blended KV (``_captures_from``).
 ``allocated`` (vLLM allocated its blocks) turns the plan into a load: a fill this step (hits), or
               a load the workers complete by themselves once its jobs have run (isolated misses).
 ``metadata``  (vLLM builds the step's metadata) sends the step's new jobs, fills and loads and
@@ -84,7 +85,7 @@ from graphchunk.cache.context_plan import ContextPlanner, EntryCapture, MissJob,
 from graphchunk.cache.keys import KeySpace
 from graphchunk.cache.pool import ChunkPool, PoolExhausted
 from graphchunk.config import GraphChunkConfig
-from graphchunk.engine.frontend import ChunkRequest, chunk_request
+from graphchunk.engine.frontend import ChunkRequest, chunk_request, one_tenant
 from graphchunk.engine.kv_events import PoolEvents
 from graphchunk.log import logger
 from graphchunk.metrics import POOL_FIELDS, CacheMetrics, MetricsPublisher, engine_metrics_file
@@ -181,6 +182,11 @@ class ContextScheduler:
         path = engine_metrics_file(engine)
         self.publisher = MetricsPublisher(path, POOL_FIELDS) if path else None
         """Publishes the pool's metrics for the API process's /metrics (the workers publish theirs)."""
+        if config.blend_entries == "context":
+            logger.info("graphchunk: blend_entries 'context': a blend request's full prefill becomes blend entries "
+                        "only when it carries a cache_salt, and only requests with the same cache_salt read them "
+                        "(a salt is one tenant: its clients shape each other's blend KV); requests without one "
+                        "use entries computed alone")
         self._requests: dict[str, _Request] = {}
         self._jobs: list[MissJob] = []
         self._fills: list[ContextLoad] = []
@@ -300,12 +306,16 @@ class ContextScheduler:
 
     def _captures_from(self, state: _Request, start: int) -> bool:
         """Whether a request run as vLLM's full prefill from token ``start`` on fills new blend
-        entries from it (``blend_entries`` 'context'): only when that prefill computes every chunk
-        token, over nothing but the sys prompt (``start`` within it; a sys prompt's KV is the same
-        however it was computed), and nothing of its context was ever blended (a request blended,
-        preempted and resumed holds blended KV in its own prefix-cache blocks)."""
-        return self.config.blend_entries == "context" and not state.filled and \
-            start <= state.chunked.seg.layout.sys_len
+        entries from it (``blend_entries`` 'context'): only when it carries a client's
+        ``cache_salt`` (``frontend.one_tenant``: its entries are keyed by that salt, so only that
+        client's requests ever read them; no client shapes the KV another's answer comes from),
+        that prefill computes every chunk token over nothing but the sys prompt (``start`` within
+        it; a sys prompt's KV is the same however it was computed), and nothing of its context was
+        ever blended (a request blended, preempted and resumed holds blended KV in its own
+        prefix-cache blocks). The others' chunks are computed alone (``_compute_for_later``)."""
+        chunked = state.chunked
+        return self.config.blend_entries == "context" and one_tenant(chunked.salt) and not state.filled and \
+            start <= chunked.seg.layout.sys_len
 
     def _leave_room(self, req_id: str) -> None:
         if self._room_for == req_id:

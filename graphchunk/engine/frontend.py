@@ -15,6 +15,8 @@ vanilla vLLM).
 """
 from __future__ import annotations
 
+import functools
+import importlib
 import json
 import secrets
 from dataclasses import dataclass
@@ -70,8 +72,21 @@ which could otherwise claim another layout's KV in vLLM's prefix cache, or plant
 
 
 def is_graphchunk_worker(worker_cls) -> bool:
-    name = worker_cls if isinstance(worker_cls, str) else f"{worker_cls.__module__}.{worker_cls.__qualname__}"
-    return name.startswith("graphchunk.")
+    """Whether vLLM's ``worker_cls`` (a qualified name, or the class) is graphchunk's worker or a
+    subclass of it (a deployment's own worker built on ``graphchunk.Runner``)."""
+    if isinstance(worker_cls, str):
+        return _names_graphchunk_worker(worker_cls)
+    return any(f"{cls.__module__}.{cls.__qualname__}".startswith("graphchunk.") for cls in worker_cls.__mro__)
+
+
+@functools.cache
+def _names_graphchunk_worker(name: str) -> bool:
+    if name.startswith("graphchunk."):
+        return True
+    if name == "auto" or name.startswith("vllm.") or "." not in name:
+        return False
+    module, _, attr = name.rpartition(".")
+    return is_graphchunk_worker(getattr(importlib.import_module(module), attr))  # as vLLM resolves it
 
 
 @dataclass(frozen=True)
@@ -260,6 +275,13 @@ def kv_salt(request) -> str | None:
     if lora is None:
         return None if request.cache_salt is None else json.dumps([request.cache_salt])
     return json.dumps([request.cache_salt, lora.lora_name])
+
+
+def one_tenant(salt: str | None) -> bool:
+    """Whether a chunk-key salt (``kv_salt``) carries a client's non-empty ``cache_salt``: one trust
+    domain, the only place where a request's own prefill may become the blend entry another
+    request's answer is computed from (``blend_entries`` 'context', DESIGN.md §2)."""
+    return salt is not None and bool(json.loads(salt)[0])
 
 
 def layout_fingerprint(seg: SegmentedPrompt, key_temperature: float = 1.0) -> str:
