@@ -33,11 +33,12 @@ OFF_ENV = "GRAPHCHUNK_SOAK_FAULTS_OFF"
 INJECTED = "soak: poisoned the pool entry of epoch"
 
 
-def copied_units(scheduler_output, epochs: dict[int, int]) -> list:
-    """The step's units (``UnitCopy``) read from the pool whose blocks already hold their entry's epoch."""
+def copied_units(scheduler_output, runner) -> list:
+    """The step's units (``UnitCopy``) read from the pool whose blocks already hold their entry's
+    epoch (``ContextRunner._holds``, the check a copy makes)."""
     work = work_of(scheduler_output.kv_connector_metadata)
     return [unit for load in (*work.fills, *work.loads) if load.refused is None for unit in load.units
-            if all(epochs.get(block) == unit.epoch for block in unit.entry_blocks)]
+            if runner._holds(unit.entry_blocks, unit.epoch)]
 
 
 def poison(epochs: dict[int, int], unit) -> None:
@@ -62,7 +63,7 @@ def _faulty_runner() -> type:
         def execute_model(self, scheduler_output, *args, **kwargs):
             engine = self.model_runner.chunk_engine
             if engine is not None and self.fault_every > 0 and scheduler_output is not None:
-                units = copied_units(scheduler_output, engine.runner.epochs)
+                units = copied_units(scheduler_output, engine.runner)
                 self.copying_steps += bool(units)
                 if units and self.copying_steps % self.fault_every == 0 and not (
                         self.faults_off and os.path.exists(self.faults_off)):
