@@ -18,7 +18,7 @@ MODE_SETTINGS = ("auto", *MODES)
 """The deployment's default mode: a request's mode, or 'auto' (``GraphChunkConfig.default_mode``)."""
 DOCUMENTS_FALLBACKS = ("refuse", "ordinary")
 BLEND_MISSES = ("prefill", "blend")
-BLEND_ENTRIES = ("alone", "context")
+BLEND_ENTRIES = ("alone", "context", "precompute")
 
 
 class ConfigError(ValueError):
@@ -122,7 +122,12 @@ class GraphChunkConfig:
     prefill (docs/quality.md); but an entry then depends on the request that first brought its
     chunk, not on the chunk alone, so it is taken only from a request with a ``cache_salt`` and
     read only by requests with the same salt (one tenant; DESIGN.md §2): requests without a salt
-    use entries computed alone."""
+    use entries computed alone. 'precompute' is ``graphchunk-precompute --context``'s engine
+    (FusionRAG's offline contextualization over the operator's corpus, docs/tier.md): every blend
+    request is computed as vLLM's full prefill and its last chunk's KV, computed behind the system
+    prompt and the documents before it, becomes that chunk's entry in the tier (``store_path``),
+    where every request without a salt reads it; an engine serving clients (``vllm serve``,
+    ``AsyncLLM``) refuses it, since its clients would choose that context."""
     blend_prefix: str = ""
     """Text computed before every blend chunk (DESIGN.md §2's fixed model-level prefix, the same
     tokens before every chunk; '': each chunk alone, from position 0): a chunk's entry holds the
@@ -168,6 +173,9 @@ class GraphChunkConfig:
             raise ConfigError(f"graphchunk.mode must be one of {MODE_SETTINGS}, got {self.mode!r}")
         if self.blend_entries not in BLEND_ENTRIES:
             raise ConfigError(f"graphchunk.blend_entries must be one of {BLEND_ENTRIES}, got {self.blend_entries!r}")
+        if self.blend_entries == "precompute" and not self.store_path:
+            raise ConfigError("graphchunk.blend_entries 'precompute' writes the entries it computes to the tier: "
+                              "set graphchunk.store_path too")
         if self.blend_misses not in BLEND_MISSES:
             raise ConfigError(f"graphchunk.blend_misses must be one of {BLEND_MISSES}, got {self.blend_misses!r}")
         if self.documents_fallback not in DOCUMENTS_FALLBACKS:

@@ -29,6 +29,12 @@ a user runs it unless --enforce-eager, vLLM prefix caching on), every setting on
 request (all misses, run as vLLM's full prefill when its policy ranks the context) leaves its
 documents' KV as computed there, in the warm-up order behind a fresh sys, for every blend setting.
 
+``--blend-entries corpus`` first runs ``graphchunk-precompute --context bm25 --format documents``
+over every document of the run (the operator's corpus: each document computed behind its
+``--context-size`` most related ones in it, behind the quality sys) into a tier (``--store``), then
+runs the engine on that tier: blend settings send no ``cache_salt`` (corpus entries serve unsalted
+requests), so their warm-ups load the contextualized entries from it.
+
 ``--blend-prefix TEXT`` runs the engine with ``graphchunk.blend_prefix: TEXT``: every blend chunk
 computed after that text (DESIGN.md §2's fixed model-level prefix).
 
@@ -128,9 +134,15 @@ def parse_args(argv=None):
                         "from it (vs_baseline)")
     p.add_argument("--blend-prefix", default="", help="graphchunk.blend_prefix of the engine: text computed before "
                    "every blend chunk (default: none, chunks alone)")
-    p.add_argument("--blend-entries", choices=("alone", "context"), default="alone",
+    p.add_argument("--blend-entries", choices=("alone", "context", "corpus"), default="alone",
                    help="graphchunk.blend_entries of the engine: blend chunks computed alone, or taken from the "
-                        "full prefill that first carried them (the warm-up's, when its policy ranks the context)")
+                        "full prefill that first carried them (the warm-up's, when its policy ranks the context); "
+                        "corpus: precomputed behind related documents (graphchunk-precompute --context bm25)")
+    p.add_argument("--context-size", type=int, default=2,
+                   help="--blend-entries corpus: documents before each one (graphchunk-precompute --context-size)")
+    p.add_argument("--store", type=Path, default=None,
+                   help="--blend-entries corpus: the tier directory (default: a new temporary one); a rerun "
+                        "with the same prompts resumes its precompute")
     p.add_argument("--block-size", type=int, default=128, help="vLLM's CPU default")
     p.add_argument("--pool-tokens", type=int, default=0, help="0: sized from the workload")
     p.add_argument("--no-salt", action="store_true",
@@ -181,7 +193,7 @@ def result_of(args, argv, res, result_rows, clock) -> dict:
                    "settings": [s.label for s in args.settings], **res["engine"],
                    "startup_s": res["startup_s"], "prompt_tokens": res["prompt_tokens"],
                    "doc_tokens": res["doc_tokens"], "sys_prompt": SYS_TEXT,
-                   "per_setting_cache_salt": not args.no_salt},
+                   "per_setting_cache_salt": not args.no_salt, "precomputed_corpus": res.get("precomputed")},
         "command": H.command_line(__file__, argv),
         "tasks": [t.record() for t in res["tasks"]],
         "reference": res["reference"],

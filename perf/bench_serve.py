@@ -16,7 +16,11 @@ chunk pool takes half, sized to hold each level's working set, said in the JSON)
   ``blend-context:POLICY`` the same with ``blend_entries: context`` (entries taken from full prefills;
   every request carries one tenant's ``cache_salt``, ``TENANT``: graphchunk takes none without one);
   ``blend-prefix`` and ``blend-prefix:POLICY`` with ``blend_prefix: BLEND_PREFIX`` (every chunk
-  computed after that fixed text).
+  computed after that fixed text); ``blend-corpus`` and ``blend-corpus:POLICY`` blend mode on a
+  ``store_path`` tier that ``graphchunk-precompute --context bm25 --format documents`` filled first
+  with every level's documents, each computed behind its ``--context-size`` most related ones
+  (the operator's corpus, contextualized offline: its cold pass is then tier hits, its warm pass
+  pool hits over those entries; requests carry no salt).
 
 Traffic (``serve_trace.py``): per concurrency level its own slice of a corpus of CPython help-topic
 documents (so cold on a level is first sight for that server), Zipf popularity, ``--docs-per-prompt``
@@ -94,14 +98,20 @@ def settings_of(kind: str) -> dict | None:
         return KINDS[kind]
     name, _, spec = kind.partition(":")
     entries = {"blend-context": {"mode": "blend", "blend_entries": "context"},
-               "blend-prefix": {"mode": "blend", "blend_prefix": BLEND_PREFIX}}.get(name)
+               "blend-prefix": {"mode": "blend", "blend_prefix": BLEND_PREFIX},
+               "blend-corpus": {"mode": "blend"}}.get(name)
     if entries is not None and not spec:
         return entries
-    setting = one_setting(spec) if name in ("blend", "blend-context", "blend-prefix") and spec else None
+    setting = one_setting(spec) if name in ("blend", "blend-context", "blend-prefix", "blend-corpus") and spec else None
     if setting is None or not setting.blend:
         raise ValueError(f"unknown kind {kind!r}; known: {', '.join(KINDS)}, blend-context, blend-prefix, "
-                         "blend:POLICY, blend-context:POLICY and blend-prefix:POLICY (e.g. blend:question:0.15@2)")
+                         "blend-corpus, and each of the blend ones with :POLICY (e.g. blend:question:0.15@2)")
     return {**(entries or {}), **{key.removeprefix("graphchunk_"): value for key, value in setting.extra.items()}}
+
+
+def on_corpus(kind: str) -> bool:
+    """Whether server ``kind`` runs on the contextualized corpus tier (``blend-corpus``)."""
+    return kind.partition(":")[0] == "blend-corpus"
 
 
 TENANT = "bench-serve"
@@ -185,7 +195,7 @@ def server_flags(args) -> list[str]:
 def start_server(args, model: Path, kind: str, work: Path, store: Path | None = None, log=print) -> VllmServer:
     settings = settings_of(kind)
     settings = settings and {**settings, **({"store_path": str(store)} if store else {})}
-    name = kind + ("-precomputed" if store else "")
+    name = kind + ("-precomputed" if store and not on_corpus(kind) else "")
     server = VllmServer(model, dtype=args.dtype, graphchunk=settings, flags=server_flags(args),
                         worker_cls="graphchunk.Runner" if settings else None, log_path=work / f"{name}.log")
     log(f"[serve] starting {name}: vllm {' '.join(server.args)}")
@@ -216,15 +226,20 @@ def counters(url: str) -> dict[str, float]:
     return last
 
 
-def precompute(args, model: Path, levels, tier: Path, work: Path, log=print) -> dict:
+def precompute(args, model: Path, levels, tier: Path, work: Path, log=print, context: bool = False) -> dict:
     """``graphchunk-precompute`` of every level's documents into ``tier``, for both modes (one run:
-    its lines name their mode), with the servers' model, dtype, block size and KV budget."""
-    lines = T.precompute_corpus(levels, "isolated") + T.precompute_corpus(levels, "blend")
-    corpus = T.write_jsonl(work / "precompute.jsonl", lines)
+    its lines name their mode), with the servers' model, dtype, block size and KV budget; with
+    ``context``, blend only, each document behind its ``--context-size`` most related (BM25)."""
+    lines = T.precompute_corpus(levels, "blend")
+    if not context:
+        lines = T.precompute_corpus(levels, "isolated") + lines
+    corpus = T.write_jsonl(work / ("precompute-context.jsonl" if context else "precompute.jsonl"), lines)
     command = [sys.executable, "-m", "graphchunk.tools.precompute", "--store", str(tier), "--corpus", str(corpus),
                "--model", str(model), "--format", "documents",
                "--dtype", args.dtype, "--block-size", str(args.block_size), "--max-model-len", str(args.max_model_len),
                "--kv-cache-memory-bytes", str(args.kv_cache_bytes)]
+    if context:
+        command += ["--context", "bm25", "--context-size", str(args.context_size)]
     log(f"[serve] precompute of {len(lines)} documents: {' '.join(command)}")
     start = time.monotonic()
     done = subprocess.run(command, capture_output=True, text=True)
@@ -264,12 +279,12 @@ def run_pass(args, server: VllmServer, kind: str, phase: str, level, trace: str,
 
 def run_kind(args, model: Path, kind: str, levels, work: Path, store: Path | None, log=print) -> tuple[list, dict]:
     """Every pass of one server: cold, warm (and ceiling for vanilla) per level, or with ``store``
-    the precomputed pass per level."""
+    the precomputed pass per level (``blend-corpus`` kinds: cold and warm on their ``store``)."""
     server = start_server(args, model, kind, work, store, log)
     rows = []
     try:
         for level in levels:
-            if store is not None:
+            if store is not None and not on_corpus(kind):
                 rows.append(run_pass(args, server, kind, "precomputed", level, "cold", work, log))
                 continue
             rows.append(run_pass(args, server, kind, "cold", level, "cold", work, log))
@@ -281,7 +296,7 @@ def run_kind(args, model: Path, kind: str, levels, work: Path, store: Path | Non
         raise
     finally:
         server.stop()
-    name = kind + ("-precomputed" if store else "")
+    name = kind + ("-precomputed" if store and not on_corpus(kind) else "")
     return rows, {"name": name, "command": "vllm " + " ".join(server.args), "startup_s": round(server.startup_s, 1)}
 
 
@@ -375,6 +390,10 @@ def checks(rows: list[dict], kinds: list[str], levels) -> dict:
            "ceiling_prefix_cache_hits": all((r["cache"]["prefix_cache_hits"] or 0) > 0 for r in rows
                                             if r["phase"] == "ceiling") if "vanilla" in kinds else None}
     for kind in (k for k in kinds if k != "vanilla"):
+        if on_corpus(kind):  # cold is first sight for the pool only: its chunks come from the tier
+            out[f"{kind}_cold_from_the_tier"] = all((r["cache"]["tier_hits"] or 0) > 0 and not r["cache"]["chunk_misses"]
+                                                    for r in gc if (r["kind"], r["phase"]) == (kind, "cold"))
+            continue
         out[f"{kind}_warm_hits_more_than_cold"] = all(w > c for w, c in zip(hit(kind, "warm"), hit(kind, "cold")))
         pre = [r["cache"]["tier_hits"] or 0 for r in gc if (r["kind"], r["phase"]) == (kind, "precomputed")]
         out[f"{kind}_precomputed_tier_hits"] = all(t > 0 for t in pre) if pre else None
@@ -484,6 +503,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="vLLM's step token budget for every server (0: vLLM's default; a large one runs vanilla's "
                         "prefills in steps of their own, its pure-decode TPOT)")
     g.add_argument("--no-precomputed", action="store_true", help="skip the precompute and the precomputed passes")
+    g.add_argument("--context-size", type=int, default=2,
+                   help="blend-corpus kinds: documents before each one in its precompute (BM25's most related)")
     t = p.add_argument_group("traffic")
     t.add_argument("--format", choices=("chat", "completions"), default="chat")
     t.add_argument("--concurrency", type=_ints, default=[1, 8, 32], help="levels (--max-concurrency of a pass)")
@@ -541,14 +562,17 @@ def run(args, command: str, log=print) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     log(f"[serve] {len(levels)} levels x {args.docs_per_level} documents, requests per pass "
         f"{args.num_prompts}; work directory {work}")
-    rows, servers, precomputed = [], [], None
-    tier = work / "tier"
+    rows, servers, precomputed, contextualized = [], [], None, None
+    tier, context_tier = work / "tier", work / "tier-context"
     try:
         for kind in args.kinds:
-            found, server = run_kind(args, model, kind, levels, work, None, log)
+            if on_corpus(kind) and contextualized is None:
+                context_tier.mkdir(exist_ok=True)
+                contextualized = precompute(args, model, levels, context_tier, work, log, context=True)
+            found, server = run_kind(args, model, kind, levels, work, context_tier if on_corpus(kind) else None, log)
             rows += found
             servers.append(server)
-            if kind == "vanilla" or args.format != "chat" or args.no_precomputed:  # see the module docstring
+            if kind == "vanilla" or on_corpus(kind) or args.format != "chat" or args.no_precomputed:  # the docstring
                 continue
             if precomputed is None:
                 tier.mkdir(exist_ok=True)
@@ -563,9 +587,12 @@ def run(args, command: str, log=print) -> dict:
         raise
     finally:
         shutil.rmtree(tier, ignore_errors=True)
+        shutil.rmtree(context_tier, ignore_errors=True)
         if not (args.keep_work or args.work_dir):
             shutil.rmtree(work, ignore_errors=True)
-    return report(args, command, clock, model, levels, rows, servers, precomputed)
+    result = report(args, command, clock, model, levels, rows, servers, precomputed)
+    result["precompute_context"] = contextualized
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:

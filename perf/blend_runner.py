@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -50,7 +51,7 @@ def engine_kwargs(args, model_path: str, max_prompt: int) -> tuple[dict, dict, l
                           max_logprobs=-1, logits_processors=[ForceTokens], enable_chunked_prefill=False)
     graphchunk = dict(pool_tokens=pool_tokens, max_chunks=max(32, max_docs), eviction="lru",
                       max_chunk_len=max(2048, 2 * args.doc_tokens))
-    if args.blend_entries != "alone":
+    if args.blend_entries == "context":
         graphchunk["blend_entries"] = args.blend_entries
     if args.blend_prefix:
         graphchunk["blend_prefix"] = args.blend_prefix
@@ -86,7 +87,7 @@ class Runner:
 
         ids, bounds = self.encode(sys_text, docs, question)
         prompt = {"prompt_token_ids": list(ids)}
-        if not self.args.no_salt:
+        if not self.args.no_salt and not (setting.blend and self.args.blend_entries == "corpus"):
             prompt["cache_salt"] = salt_of(setting)
         p = params.clone()
         extra = dict(p.extra_args or {})
@@ -297,6 +298,9 @@ def run(args, log) -> dict:
     tasks = build_tasks(tokenizer, args, random.Random(args.seed))
     prompt_lens, doc_lens, max_prompt = prompt_sizes(tokenizer, tasks)
     kwargs, gc_cfg, notes = engine_kwargs(args, model_path, max_prompt)
+    precomputed = None
+    if args.blend_entries == "corpus":
+        gc_cfg["store_path"], precomputed = precompute_corpus(args, model_path, tasks, log)
     recorded = {k: v for k, v in kwargs.items() if k not in ("model", "logits_processors")}
     log(f"[bench_blend] {len(tasks)} prompts x {args.docs} documents; prompt tokens {min(prompt_lens)}.."
         f"{max(prompt_lens)} (mean {np.mean(prompt_lens):.0f}); document tokens {min(min(d) for d in doc_lens)}.."
@@ -323,7 +327,33 @@ def run(args, log) -> dict:
                 broken=bench.broken, per_prompt_s=per_prompt_s, quality_batches=bench.quality_stats,
                 engine=dict(llm_kwargs=recorded, logits_processors=["force_tokens:ForceTokens"], graphchunk=gc_cfg,
                             notes=notes, model=model_path),
-                final_stats=final_stats, prompt_tokens=prompt_lens, doc_tokens=doc_lens)
+                final_stats=final_stats, prompt_tokens=prompt_lens, doc_tokens=doc_lens, precomputed=precomputed)
+
+
+def precompute_corpus(args, model_path: str, tasks: list[Task], log) -> tuple[str, dict]:
+    """Every document of the run as the operator's corpus, its blend entries contextualized by
+    ``graphchunk-precompute --context bm25`` (documents format, behind the quality sys) into
+    ``--store`` (a temporary directory by default): (the store, what it ran and took)."""
+    import json
+    import tempfile
+
+    from graphchunk.tools.precompute import main as precompute
+
+    store = str(args.store or tempfile.mkdtemp(prefix="bench-blend-corpus-"))
+    corpus = Path(store) / "corpus.jsonl"
+    corpus.parent.mkdir(parents=True, exist_ok=True)
+    documents = list(dict.fromkeys(d for t in tasks for d in t.docs))
+    corpus.write_text("".join(json.dumps({"text": d, "mode": "blend"}) + "\n" for d in documents))
+    argv = ["--model", model_path, "--store", store, "--corpus", str(corpus), "--format", "documents",
+            "--sys", SYS_TEXT, "--dtype", "float32", "--block-size", str(args.block_size), "--context", "bm25",
+            "--context-size", str(args.context_size)]
+    log(f"[bench_blend] precomputing {len(documents)} documents behind their {args.context_size} most related "
+        f"(BM25) into {store}")
+    start = time.perf_counter()
+    if precompute(argv) != 0:
+        raise SystemExit("[bench_blend] graphchunk-precompute failed (its message is above)")
+    return store, dict(documents=len(documents), seconds=time.perf_counter() - start,
+                       command=["graphchunk-precompute", *argv])
 
 
 def check_timed(failures, t, s, delta, cached, k, *, same_sys, sys_len, bs, context_len) -> None:

@@ -121,7 +121,7 @@ def test_every_check_passed(result):
 def test_a_blend_kind_names_its_recompute_policy():
     """``blend:POLICY`` serves blend with that policy as the deployment's default; a bad one is refused."""
     sys.path.insert(0, str(REPO / "perf"))
-    from bench_serve import settings_of, tenant_of
+    from bench_serve import on_corpus, settings_of, tenant_of
 
     from graphchunk.config import GraphChunkConfig
 
@@ -136,6 +136,10 @@ def test_a_blend_kind_names_its_recompute_policy():
     assert settings_of("blend-context") == {"mode": "blend", "blend_entries": "context"}
     # Its requests carry one tenant's cache_salt (graphchunk captures entries under a salt only).
     assert tenant_of("blend-context:question:0.15") and not tenant_of("blend") and not tenant_of("vanilla")
+    # The contextualized corpus serves requests without a salt: blend mode on the precomputed tier.
+    assert settings_of("blend-corpus:question:0.15") == {"mode": "blend", "recompute": "question",
+                                                         "recompute_ratio": 0.15}
+    assert on_corpus("blend-corpus:question:0.15") and not on_corpus("blend") and not tenant_of("blend-corpus")
     for bad in ("blend-prefix:vanilla", "blend:vanilla", "blend:isolated:0.8", "other", "blend:question:x"):
         with pytest.raises((ValueError, SystemExit)):
             settings_of(bad)

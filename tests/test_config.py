@@ -22,6 +22,8 @@ def test_defaults_and_section():
     ({"separator": 3}, "separator must be str"),
     ({"store_path": 1}, "graphchunk.store_path must be str, got 1"),
     ({"store_bytes": 0}, "graphchunk.store_bytes must be >= 1, got 0"),
+    ({"blend_entries": "precompute"}, "blend_entries 'precompute' writes the entries it computes to the tier: set "
+                                      "graphchunk.store_path"),
     ({"store_bytes": 1.5}, "graphchunk.store_bytes must be int"),
     ({"host_bytes": -1}, "graphchunk.host_bytes must be >= 0"),
     ({"host_bytes": 1 << 30}, "host_bytes is the host-memory tier in front of the persistent tier: set graphchunk.store_path"),

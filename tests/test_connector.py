@@ -412,6 +412,34 @@ def test_blend_entries_context_captures_only_inside_one_cache_salt(make_schedule
     assert "b" in context._capturing
 
 
+def test_blend_entries_precompute_captures_the_last_chunk_behind_the_rest(make_scheduler):
+    """graphchunk-precompute's engine (``blend_entries`` 'precompute'): a blend request runs as
+    vLLM's full prefill whatever the pool holds, and only its last chunk is captured, its capture
+    naming the tokens before it (written to the tier with the entry); nothing is computed alone.
+    The same document last again is a pool hit: not captured twice."""
+    import dataclasses
+
+    from graphchunk.cache.context_plan import context_identity
+
+    scheduler, hasher = make_scheduler()
+    context = scheduler.connector._context()
+    blend = capturing(context, hasher, None)
+    context.config = dataclasses.replace(context.config, blend_entries="precompute", store_path="/nonexistent")
+    captures, done = [], 0
+    for req_id, tokens, bounds in (("c2-behind-c1", SYS + C1 + C2 + Q, [40, 150, 280]),
+                                   ("c2-again", SYS + C2 + Q, [40, 170])):
+        scheduler.add_request(blend(req_id, tokens, bounds))
+        while scheduler.has_unfinished_requests():
+            so, work = step(scheduler, done_before=done)
+            assert not work.jobs and not work.fills and not work.loads
+            captures += work.captures
+            done += len(work.captures)
+    (capture,) = captures
+    assert (capture.req_id, capture.lo, capture.hi) == ("c2-behind-c1", 150, 280)
+    assert capture.entry_tokens == tuple(C2) and capture.context == context_identity(SYS + C1)
+    assert capture.context.startswith("150:") and context.metrics.blend_full_prefills == 0
+
+
 def test_a_step_admits_all_hit_blend_requests_up_to_the_recompute_budget(make_scheduler):
     """Blend's recompute runs as graphchunk's own forwards, which vLLM's token budget does not see:
     a step admits all-hit blend requests until their recompute (``RecomputePolicy.cost``: 30 % of

@@ -3,7 +3,8 @@ import json
 
 import pytest
 
-from graphchunk.tools.precompute import main, make_parser, precompute, read_corpus
+from graphchunk.tools.corpus_context import Journal, contexts
+from graphchunk.tools.precompute import main, make_parser, precompute, precompute_contextualized, read_corpus
 
 
 def write(tmp_path, lines):
@@ -75,3 +76,86 @@ def test_mode_auto_leaves_the_mode_to_the_engine(tmp_path):
     engine = Engine()
     assert precompute(engine, groups, documents=False, progress=False)["documents"] == 2
     assert engine.sent == [("a", None), ("b", {"graphchunk_mode": "isolated"})]
+
+
+CONTEXT_CORPUS = [
+    {"id": "cats", "text": "The cat sat on the mat and purred at the dog."},
+    {"id": "qubits", "text": "Quantum computers use qubits and superposition.", "context": ["states", "cats"]},
+    {"id": "states", "text": "Qubits in superposition let quantum computers explore many states."},
+    {"text": "A dog chased the cat off the mat."},
+    {"text": "Tea grows on terraced hillsides."},
+]
+
+
+def test_a_listed_context_is_the_lines_it_names_in_order(tmp_path):
+    path = write(tmp_path, CONTEXT_CORPUS)
+    found = contexts(path, read_corpus(path, "S", "auto"), "list", 2)
+    by_text = {dict(k)["text"][:5]: [d["text"][:5] for d in v] for k, v in found.items()}
+    assert by_text == {"The c": [], "Quant": ["Qubit", "The c"], "Qubit": [], "A dog": [], "Tea g": []}
+
+
+def test_bm25_puts_the_most_related_documents_next_to_each_one(tmp_path):
+    path = write(tmp_path, CONTEXT_CORPUS)
+    found = contexts(path, read_corpus(path, "S", "auto"), "bm25", 2)
+    by_text = {dict(k)["text"][:5]: [d["text"][:5] for d in v] for k, v in found.items()}
+    assert by_text["Quant"] == ["Qubit"]  # the only document sharing its terms
+    assert by_text["A dog"][-1] == "The c" and "Quant" not in by_text["A dog"]
+    assert by_text["Tea g"] == []  # shares no term with any other: computed behind the sys prompt only
+
+
+@pytest.mark.parametrize("lines, message", [
+    ([{"id": "a", "text": "x", "context": ["b"]}], r"'context' names \['b'\], not the id of another line"),
+    ([{"id": "a", "text": "x", "context": ["a"]}], "not the id of another line"),
+    ([{"id": "a", "text": "x"}, {"id": "a", "text": "y"}], "'id' must be a string no other line has"),
+    ([{"text": "x", "context": "a"}], "'context' must be a list"),
+    ([{"id": "a", "text": "x"}, {"text": "y", "context": ["a"]}, {"text": "y"}], "appears on another line with another context"),
+    ([{"text": "x", "mode": "isolated"}], "every line must be blend or auto"),
+    ([{"text": "x"}, {"text": "x", "sys": "other"}], "appears behind two sys prompts"),
+])
+def test_bad_contexts_are_named(tmp_path, lines, message):
+    path = write(tmp_path, lines)
+    with pytest.raises(ValueError, match=message):
+        contexts(path, read_corpus(path, "S", "auto"), "list", 2)
+
+
+class CapturingEngine:
+    """Stands in for the 'precompute' engine: each request writes its last document's tier file,
+    except ``fail`` ones."""
+
+    def __init__(self, fail=()):
+        self.sent, self.writes, self.fail = [], 0, set(fail)
+
+    def stats(self):
+        return {"tier_writes": self.writes, **dict.fromkeys(("tier_bytes_written", "tier_hits", "tier_rejected",
+                                                             "tier_write_errors", "misses"), 0)}
+
+    def generate(self, prompts, params, use_tqdm):
+        assert params.extra_args == {"graphchunk_mode": "blend"}
+        for prompt in prompts:
+            self.sent.append(tuple(prompt.chunks))
+            self.writes += prompt.chunks[-1] not in self.fail
+
+
+def test_a_contextualized_run_resumes_after_the_last_batch_it_wrote(tmp_path):
+    path = write(tmp_path, CONTEXT_CORPUS)
+    groups = read_corpus(path, "S", "auto")
+    found = contexts(path, groups, "list", 2)
+    setup = {"model": "m", "context": "list"}
+    engine = CapturingEngine(fail={"Tea grows on terraced hillsides."})
+    result = precompute_contextualized(engine, groups, found, False, Journal(tmp_path / "store", setup, 2), False)
+    assert (result["documents"], result["skipped"], result["unwritten"]) == (5, 0, 1)
+    assert engine.sent[1] == ("Qubits in superposition let quantum computers explore many states.",
+                              "The cat sat on the mat and purred at the dog.",
+                              "Quantum computers use qubits and superposition.")
+    again = CapturingEngine()
+    result = precompute_contextualized(again, groups, found, False, Journal(tmp_path / "store", setup, 2), False)
+    assert (result["skipped"], result["unwritten"], again.sent) == (4, 0, [("Tea grows on terraced hillsides.",)])
+    other = CapturingEngine()  # other settings (or another context) compute everything again
+    precompute_contextualized(other, groups, found, False, Journal(tmp_path / "store", {**setup, "model": "n"}), False)
+    assert len(other.sent) == 5
+
+
+def test_cli_refuses_a_context_it_cannot_build_before_starting_an_engine(tmp_path, capsys):
+    path = write(tmp_path, [{"text": "x", "context": ["nope"]}])
+    assert main(["--store", str(tmp_path / "s"), "--corpus", str(path), "--context", "list"]) == 2
+    assert "not the id of another line" in capsys.readouterr().err

@@ -13,12 +13,16 @@ import struct
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 import xxhash
 from pydoc_data.topics import topics
 
-from exactness import LIMITS, assert_matches_oracle, assert_matches_reference, blend_reference, sampling
+from exactness import LIMITS, MAX_TOKENS, Reference, assert_matches_oracle, assert_matches_reference, blend_reference, \
+    sampling
+from graphchunk.blend.recompute import cacheblend_tokens
+from graphchunk.cache.context_plan import context_identity
 from graphchunk.config import GraphChunkConfig
 from graphchunk.documents import document_messages, hf_render, place_documents
 from graphchunk.llm import RagPrompt
@@ -93,6 +97,22 @@ def documents_corpus(tmp_path_factory):
 @pytest.fixture(scope="module")
 def precomputed_documents(tiny, store, documents_corpus, precomputed):
     return _precompute(tiny, store, documents_corpus[0], "--format", "documents")
+
+
+@pytest.fixture(scope="module")
+def context_corpus(tmp_path_factory):
+    """A --context list corpus: a behind c and b, b behind a, c behind nothing but the sys prompt."""
+    path = tmp_path_factory.mktemp("corpus") / "context.jsonl"
+    a, b, c = docs(3)
+    records = [{"id": "a", "text": a, "context": ["c", "b"]}, {"id": "b", "text": b, "context": ["a"]},
+               {"id": "c", "text": c, "mode": "blend"}]
+    path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    return path, (a, b, c)
+
+
+@pytest.fixture(scope="module")
+def precomputed_context(tiny, store, context_corpus, precomputed_documents):
+    return _precompute(tiny, store, context_corpus[0], "--mode", "auto", "--context", "list")
 
 
 def engine(tiny, store, **settings):
@@ -195,6 +215,46 @@ def test_documents_requests_hit_a_documents_precompute_from_the_first_request(se
     assert (moved["blend_tier_hits"], moved["misses"]) == (1, 0)
 
 
+def test_contextualized_entries_are_served_as_hf_computes_them_behind_their_context(
+        tiny, server_a, tiny_oracle, store, context_corpus, precomputed_context):
+    """``--context list``: each document's blend entry is its KV in the causal forward of
+    ``sys ‖ its context ‖ it`` (the header names that context), keys moved back to [0, L). A blend
+    request over [b, a] then loads both from the tier and equals HF's blend over that KV: each
+    chunk's keys moved by HF's own rotary embedding from where it sat in its own precompute request
+    to where it lands, 30 % of the context recomputed as the question policy picks by HF's
+    attention; the same request over entries computed alone answers otherwise. A second run with
+    the same settings computes nothing (the journal)."""
+    result, written = precomputed_context
+    a, b, c = context_corpus[1]
+    assert len(written) == 3 and "0 not written" in result.stdout
+    sources = {doc: split_at(*server_a.encode(RagPrompt(SYS, [*context, doc], "?")), **LIMITS)
+               for doc, context in ((a, [c, b]), (b, [a]), (c, []))}
+    headers = [_header(path) for path in written]
+    assert sorted(h["context"] for h in headers) == sorted(
+        context_identity(source.token_ids[:source.layout.chunk_starts()[-1]]) for source in sources.values())
+    prompt = RagPrompt(SYS, [b, a], QUESTION, extra={"graphchunk_mode": "blend", "graphchunk_recompute": "question",
+                                                     "graphchunk_recompute_ratio": 0.3})
+    before = server_a.stats()
+    (output,) = server_a.generate([prompt], sampling())
+    moved = {name: server_a.stats()[name] - before[name] for name in before}
+    assert (moved["tier_hits"], moved["misses"]) == (2, 0)
+    seg = split_at(*server_a.encode(prompt), **LIMITS)
+    ids, lay = list(seg.token_ids), seg.layout
+    kv = {doc: tiny_oracle.contextual_kv(ids, lay, list(sources[doc].token_ids), sources[doc].layout) for doc in (a, b)}
+    a_start = lay.chunk_starts()[1]  # b's KV from b's source, a's (and the question's place on) from a's
+    context = [(torch.cat([kb[:, :, :a_start], ka[:, :, a_start:]], 2), torch.cat([vb[:, :, :a_start], va[:, :, a_start:]], 2))
+               for (kb, vb), (ka, va) in zip(kv[b], kv[a])]
+    chunk_tokens = np.arange(lay.sys_len, lay.context_len)
+    scores = tiny_oracle.question_attention(ids, lay, context_kv=context)
+    picked = cacheblend_tokens(chunk_tokens, scores[chunk_tokens], 0.3)
+    tokens, logprobs = tiny_oracle.blend_generate(ids, lay, picked, MAX_TOKENS, context_kv=context)
+    assert_matches_reference(output, Reference(tokens, logprobs), "blend over precomputed contextualized entries")
+    _, alone = tiny_oracle.blend_generate(ids, lay, picked, 1)
+    assert (alone[0] - logprobs[0]).abs().max() > 1e-3
+    again, _ = _precompute(tiny, store, context_corpus[0], "--mode", "auto", "--context", "list")
+    assert "0 tier files written" in again.stdout and "3 done by an earlier run" in again.stdout
+
+
 def test_two_live_servers_reuse_each_others_chunks(server_a, server_b, tiny_oracle):
     mine = docs(3)
     moved = run(server_a, tiny_oracle, RagPrompt(SYS, mine, QUESTION))
@@ -234,6 +294,11 @@ def test_documents_fallback_runs_unchunkable_requests_as_ordinary_prompts(server
     expected, _ = tiny_oracle.causal_generate(list(output.prompt_token_ids), len(output.outputs[0].token_ids))
     assert list(output.outputs[0].token_ids) == expected
     assert (moved["documents_unchunked"], moved["lookups"]) == (1, 0)
+
+
+def _header(path) -> dict:
+    raw = path.read_bytes()
+    return json.loads(raw[12:12 + struct.unpack_from("<I", raw, 8)[0]])
 
 
 def _rewrite_header(path, change) -> None:

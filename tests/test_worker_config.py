@@ -131,6 +131,24 @@ def test_unsupported_vllm_settings_are_refused_where_the_config_is_built(setting
         assert config.model_config.uses_mrope
 
 
+def test_an_engine_serving_clients_refuses_the_precompute_engine_s_setting(tmp_path):
+    """``blend_entries`` 'precompute' lets a request choose the context of the entries unsalted
+    requests read: ``vllm serve``'s AsyncEngineArgs refuse it; the offline ``LLM``'s build it."""
+    from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
+
+    from graphchunk.engine.plugin import register
+    from graphchunk.reference import models
+
+    register()
+    args = dict(model=str(models.tiny_checkpoint("llama3")), dtype="float32", max_model_len=1024,
+                kv_cache_memory_bytes=1 << 28, worker_cls="graphchunk.Runner",
+                additional_config={"graphchunk": {"pool_tokens": 4096, "blend_entries": "precompute",
+                                                  "store_path": str(tmp_path)}})
+    with pytest.raises(ConfigError, match="graphchunk-precompute's offline setting: on an engine serving clients"):
+        AsyncEngineArgs(**args).create_engine_config()
+    assert EngineArgs(**args).create_engine_config().parallel_config.worker_cls == "graphchunk.Runner"
+
+
 def test_data_parallelism_of_a_dense_model_is_built_and_logged(caplog):
     """Real EngineArgs with --data-parallel-size 2 on a dense model: the config is built (vLLM
     runs each rank as an independent engine, each with its own pool), and the start-up log says so."""

@@ -31,6 +31,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+import xxhash
+
 from graphchunk.cache.keys import KeySpace, chunk_key, sys_key
 from graphchunk.cache.pool import ChunkPool, PoolEntry, PoolExhausted
 from graphchunk.segments import SegmentedPrompt
@@ -97,6 +100,17 @@ class EntryCapture:
     entry_blocks: tuple[int, ...]
     epoch: int
     offset: int = 0
+    key: bytes = b""
+    entry_tokens: tuple[int, ...] = ()
+    context: str | None = None
+    """The identity of the tokens before the chunk (``context_identity``) when the workers also
+    write the entry to the tier (``blend_entries`` 'precompute'); None: the pool only."""
+
+
+def context_identity(tokens) -> str:
+    """What a contextualized entry was computed behind: the count and a 128-bit digest of the
+    tokens before its chunk (the system prompt and the operator's context documents)."""
+    return f"{len(tokens)}:{xxhash.xxh3_128_hexdigest(np.asarray(tokens, dtype=np.int64).tobytes())}"
 
 
 @dataclass
@@ -157,16 +171,19 @@ class ContextPlanner:
                 missing += hi - lo
         return missing
 
-    def capture(self, seg: SegmentedPrompt, salt: str | None, req_id: str) -> RequestPlan:
+    def capture(self, seg: SegmentedPrompt, salt: str | None, req_id: str, last_only: bool = False) -> RequestPlan:
         """A plan for the sys prompt and chunks of blend request ``req_id``, which vLLM computes as a
         full prefill in the step this plan is sent with: a segment whose entry the pool holds neither
         ready nor in flight gets a new entry filled from the request's own slots (``EntryCapture``)
         instead of a job computing it (a chunk alone). Chunk lookups counted; nothing is copied into
-        the request. A pool too full for an entry leaves that segment and the rest uncaptured."""
+        the request. A pool too full for an entry leaves that segment and the rest uncaptured.
+        ``last_only`` (``blend_entries`` 'precompute'): only the last chunk, everything before it
+        being its context, which the capture names (``EntryCapture.context``: written to the tier)."""
         plan = RequestPlan()
-        for index, (lo, hi) in enumerate(seg.bounds[:-1]):
+        segments = list(enumerate(seg.bounds[:-1]))
+        for index, (lo, hi) in segments[-1:] if last_only else segments:
             chunk = None if index == 0 else index - 1
-            if lo == hi:
+            if lo == hi or (last_only and chunk is None):
                 continue
             key, tokens = self._identity(seg, salt, "blend", chunk)
             hit = self.pool.contains(key, tokens)
@@ -177,7 +194,9 @@ class ContextPlanner:
                     break
                 job_id = self._start_job(entry, [entry])
                 offset = 0 if chunk is None else len(self.space.blend_prefix)
-                plan.captures.append(EntryCapture(job_id, req_id, lo, hi, tuple(entry.block_ids), entry.epoch, offset))
+                context = context_identity(seg.token_ids[:lo]) if last_only else None
+                plan.captures.append(EntryCapture(job_id, req_id, lo, hi, tuple(entry.block_ids), entry.epoch, offset,
+                                                  key, tuple(tokens), context))
             if chunk is not None:
                 plan.counts += [("lookups", 1, "blend"), ("hits" if hit else "misses", 1, "blend")]
         return plan

@@ -12,7 +12,8 @@ id not yet finished: the plans' scheduler learns it after each step.
 forward of the step that computed it (``EntryCapture``: each chunk's KV as that prefill computed
 it, in the context before it there, keys rotated back to where a chunk sits in an entry, after the
 blend prefix if any); it runs whole in its step, out of the jobs' order, so ``done_before`` is
-the first queued job's id, or past every id seen.
+the first queued job's id, or past every id seen. A capture that names its context
+(``graphchunk-precompute``'s) is written to the tier too, the context's identity in the header.
 
 ``fill`` copies the context of requests whose jobs have all run from the pool into their own
 slots (chunk keys divided by the request's key temperature when it is not 1; blend chunks'
@@ -177,6 +178,11 @@ class ContextRunner:
             self._next_id = max(self._next_id, capture.job_id + 1)
         device.copy_slots_rotated(*(np.concatenate(part) for part in zip(*parts)))
         self.metrics.blend_entries_captured += len(captures)
+        if self.tier is not None:
+            for capture in captures:
+                if capture.context is not None:
+                    self.tier.save(capture.key, capture.entry_tokens, len(capture.entry_tokens), "blend",
+                                   device.read_blocks(capture.entry_blocks), context=capture.context)
         self._advance()
 
     def _stamp(self, job: MissJob) -> None:

@@ -10,7 +10,9 @@ The header names everything that decides whether the bytes are this engine's KV:
 format version, the model (path, and a digest of its weights' metadata: two copies of the same
 weights at different paths share files, different weights at one path do not), the KV cache
 dtype and per-layer layout (shape without the block dimension, backend, in-block layout), block
-size, parallel layout and rank, mode, key and tokens. The payload is the entry's whole blocks in
+size, parallel layout and rank, mode, key and tokens, and for a blend entry that
+``graphchunk-precompute --context`` computed behind the operator's context documents, that
+context's identity (``context``: informational; the entry is served wherever its chunk is). The payload is the entry's whole blocks in
 every layer ([layers, blocks, *block]); the checksum covers header and payload.
 
 A file is written to a temporary name in its directory and renamed over the final name
@@ -195,8 +197,10 @@ class ChunkStore:
 
     # --- write --------------------------------------------------------------------------------
 
-    def save(self, key: bytes, tokens: Sequence[int], num_tokens: int, mode: str, data: torch.Tensor) -> None:
-        """Writes an entry's payload atomically; a failure is logged and counted, never raised."""
+    def save(self, key: bytes, tokens: Sequence[int], num_tokens: int, mode: str, data: torch.Tensor,
+             context: str | None = None) -> None:
+        """Writes an entry's payload atomically; a failure is logged and counted, never raised.
+        ``context``: what a contextualized blend entry was computed behind (``context_identity``)."""
         if self.host:
             self.host.put(key, tokens, mode, data)
         start = time.perf_counter()
@@ -206,6 +210,7 @@ class ChunkStore:
             "format": FORMAT_VERSION, "engine": dataclasses.asdict(self.identity), "key": key.hex(), "mode": mode,
             "tokens": list(map(int, tokens)), "num_tokens": num_tokens, "payload_dtype": str(data.dtype),
             "payload_shape": list(data.shape), "payload_bytes": len(payload), "written_by": os.getpid(),
+            **({"context": context} if context is not None else {}),
         }, separators=(",", ":")).encode()
         digest = xxhash.xxh3_128(header)
         digest.update(payload)

@@ -464,6 +464,8 @@ def _entries() -> tuple[Name, ...]:
     add(n("vllm.lora.request", "LoRARequest.lora_name", "attribute", FE, "a LoRA request's chunk KV is "
           "keyed by its adapter"))
     add(n("vllm.engine.arg_utils", "EngineArgs", "import", PL, CONFIG_HOOK))
+    add(n("vllm.engine.arg_utils", "AsyncEngineArgs", "import", PL, "an engine serving clients builds its config "
+          "from it: blend_entries 'precompute' is refused there (also tests/test_docs.py)"))
     add(n("vllm.engine.arg_utils", "EngineArgs.create_engine_config", "patch", PL, CONFIG_HOOK, ("...",),
           ("vllm.v1.engine.llm_engine:LLMEngine", "vllm.v1.engine.async_llm:AsyncLLM")))
     for attr in ("worker_cls", "additional_config", "enforce_eager", "compilation_config"):
@@ -582,7 +584,6 @@ def _entries() -> tuple[Name, ...]:
         (f"{BACKENDS}.flex_attention", "physical_to_logical_mapping", "tests/test_gpu_layout_engine.py"),
         ("vllm.compilation.counter", "compilation_counter", "tests/test_compiled_forward.py"),
         (FC, "get_forward_context", "tests/test_compiled_forward.py"),
-        ("vllm.engine.arg_utils", "AsyncEngineArgs", "tests/test_docs.py"),
         ("vllm.utils.argparse_utils", "FlexibleArgumentParser", "tests/test_docs.py"),
         ("vllm.renderers.params", "ChatParams", "tests/test_documents.py"),
         ("vllm.renderers.cohere", "CohereRenderer", "tests/test_documents.py"),

@@ -32,7 +32,10 @@ Per segmented request (``ChunkRequest``, read once from what graphchunk's fronte
               the step that completes its context, after that step's forward (``EntryCapture``),
               only for a request with a client's ``cache_salt`` (its entries are keyed by it:
               that client's alone), whose prefill computes every chunk token over its sys prompt
-              alone, and which never had blended KV (``_captures_from``).
+              alone, and which never had blended KV (``_captures_from``). With 'precompute'
+              (``graphchunk-precompute``'s offline engine) every blend request runs as a full
+              prefill and only its last chunk is captured, behind the rest as its context, and
+              written to the tier.
 ``allocated`` (vLLM allocated its blocks) turns the plan into a load: a fill this step (hits), or
               a load the workers complete by themselves once its jobs have run (isolated misses).
 ``metadata``  (vLLM builds the step's metadata) sends the step's new jobs, fills and loads and
@@ -187,6 +190,10 @@ class ContextScheduler:
                         "only when it carries a cache_salt, and only requests with the same cache_salt read them "
                         "(a salt is one tenant: its clients shape each other's blend KV); requests without one "
                         "use entries computed alone")
+        if config.blend_entries == "precompute":
+            logger.info("graphchunk: blend_entries 'precompute' (graphchunk-precompute's offline engine): every blend "
+                        "request runs as vLLM's full prefill and its last chunk's KV, computed behind the system "
+                        "prompt and documents before it, is written to the tier as that chunk's blend entry")
         self._requests: dict[str, _Request] = {}
         self._jobs: list[MissJob] = []
         self._fills: list[ContextLoad] = []
@@ -224,6 +231,10 @@ class ContextScheduler:
             self._drop_plan(state)
             request = state.chunked
             mode = "isolated" if request.policy is None else "blend"
+            if self.config.blend_entries == "precompute" and request.policy is not None and not state.filled:
+                state.prefilled = True  # its last chunk's entry is captured behind what precedes it
+                self._capturing[req_id] = request
+                return 0, False
             if self.prefill_instead(request, num_computed, state.context_len):
                 state.prefilled = True
                 self.metrics.blend_full_prefills += 1
@@ -346,7 +357,8 @@ class ContextScheduler:
             del self._capturing[req_id]
             if self._room_for is not None:  # a request waits for pool room: it gets it first
                 continue
-            plan = self.planner.capture(request.seg, request.salt, req_id)
+            plan = self.planner.capture(request.seg, request.salt, req_id,
+                                        last_only=self.config.blend_entries == "precompute")
             captures += plan.captures
             self._counts += plan.counts
             self.planner.release(plan)

@@ -95,8 +95,10 @@ def _check_config_before_start() -> None:
         if is_graphchunk_worker(self.worker_cls):
             from graphchunk.engine.connector import connector_config
 
+            settings = GraphChunkConfig.from_additional_config(self.additional_config)
+            _refuse_precompute_serving(self, settings)
             self.kv_transfer_config = connector_config(self.kv_transfer_config)
-            templates = GraphChunkConfig.from_additional_config(self.additional_config).templates
+            templates = settings.templates
             grid = load_grid(templates) if templates else None
             if grid is not None:
                 graph_config.request_graph_mode(self, grid, graph_config.platform_kind())
@@ -111,6 +113,21 @@ def _check_config_before_start() -> None:
 
     create_engine_config._graphchunk = True
     EngineArgs.create_engine_config = create_engine_config
+
+
+def _refuse_precompute_serving(engine_args, settings) -> None:
+    """``blend_entries`` 'precompute' lets each request choose the context of the entries every
+    unsalted request reads (DESIGN.md §2): only ``graphchunk-precompute``'s offline engine, whose
+    requests are the operator's corpus, may run it; an engine serving clients (vLLM builds its
+    config from ``AsyncEngineArgs``: ``vllm serve``, ``AsyncLLM``) refuses it."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    from graphchunk.config import ConfigError
+
+    if settings.blend_entries == "precompute" and isinstance(engine_args, AsyncEngineArgs):
+        raise ConfigError("graphchunk.blend_entries 'precompute' is graphchunk-precompute's offline setting: on an "
+                          "engine serving clients each request would choose the context of the blend entries every "
+                          "request without a cache_salt reads; use 'alone' or 'context' (docs/tier.md)")
 
 
 def _select_v1_model_runner() -> None:

@@ -12,6 +12,18 @@ is run once as a one-chunk request through a ``GraphChunkLLM`` engine whose ``st
 tier, with one generated token; the chunk's KV (and the sys prompt's) is written through to the
 tier, and a server started on the same directory serves it as tier hits from its first request.
 
+With ``--context list`` or ``--context bm25`` the blend entries are contextualized (FusionRAG's
+offline method, docs/tier.md): each document is computed behind the system prompt and a context
+of other documents of the corpus, chosen by the operator's data: the line's ``context`` (the ``id``
+of other lines) or its ``--context-size`` most related documents by BM25 (bm25s over the corpus'
+texts; the most related sits next to it). The engine (``blend_entries`` 'precompute') runs each
+``context ‖ document`` request as vLLM's full prefill and writes the document's KV, keys moved
+back to where an entry holds them, as the document's blend entry, the context's identity in the
+file's header; a server then serves it to every blend request without a ``cache_salt`` that
+carries the document (the others' documents: entries computed alone). Runs resume: documents
+recorded in the store's ``precompute-context.jsonl`` under the same settings and context are
+skipped.
+
 Which requests hit: the tier is keyed by the chunk's tokens (isolated mode: also the sys
 prompt's), so the server's requests must tokenize documents as the precompute did.
 ``--format segments`` tokenizes as ``GraphChunkLLM.generate(sys=, chunks=, question=)`` and as a
@@ -35,6 +47,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from graphchunk.config import MODE_SETTINGS
+from graphchunk.tools import corpus_context
 
 QUESTION = "?"
 """The one-token question each document's request ends with (its KV is never stored)."""
@@ -45,65 +58,80 @@ def read_corpus(path: str | Path, sys_prompt: str, mode: str,
     """Documents grouped by (sys, mode), in file order, duplicates once; errors name the line. A
     line's document is its ``document`` object or ``{"text": text}``; ``text_only`` (``--format
     segments``) refuses documents with other fields."""
-    from graphchunk.documents import DocumentError, validate_documents
-
     groups: dict[tuple[str, str], list[dict[str, str]]] = defaultdict(list)
     seen = set()
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{number}"
-            try:
-                record = json.loads(line)
-            except ValueError as exc:
-                raise ValueError(f"{where}: not JSON: {exc}") from None
-            if not isinstance(record, dict) or ("text" in record) == ("document" in record):
-                raise ValueError(f"{where}: each line needs a non-empty string 'text' or a 'document' object, not both")
-            document = record["document"] if "document" in record else {"text": record["text"]}
-            try:
-                validate_documents([document], max_chunks=1)
-            except DocumentError as exc:
-                raise ValueError(f"{where}: {exc}") from None
-            if text_only and list(document) != ["text"]:
-                raise ValueError(f"{where}: --format segments sends a document's text only; this one has "
-                                 f"other fields (use --format documents)")
-            key = (record.get("sys", sys_prompt), record.get("mode", mode))
-            if not isinstance(key[0], str) or key[1] not in MODE_SETTINGS:
-                raise ValueError(f"{where}: 'sys' must be a string and 'mode' one of {', '.join(MODE_SETTINGS)}")
-            identity = (key, tuple(document.items()))
-            if identity not in seen:
-                seen.add(identity)
-                groups[key].append(document)
+    for where, record, document in corpus_context.corpus_lines(path, text_only):
+        key = (record.get("sys", sys_prompt), record.get("mode", mode))
+        if not isinstance(key[0], str) or key[1] not in MODE_SETTINGS:
+            raise ValueError(f"{where}: 'sys' must be a string and 'mode' one of {', '.join(MODE_SETTINGS)}")
+        identity = (key, tuple(document.items()))
+        if identity not in seen:
+            seen.add(identity)
+            groups[key].append(document)
     return groups
+
+
+TIER_COUNTERS = ("tier_writes", "tier_bytes_written", "tier_hits", "tier_rejected", "tier_write_errors", "misses")
 
 
 def precompute(llm, groups: dict[tuple[str, str], list[dict[str, str]]], documents: bool,
                progress: bool = True) -> dict:
-    """Runs every document once, as a documents chat request (``documents``: vLLM's renderer
-    places and tokenizes it, as for the server's) or as segments; returns the tier counters
-    moved and the time taken."""
+    """Runs every document once, alone; returns the tier counters moved and the time taken."""
     from vllm import SamplingParams
-
-    from graphchunk.documents import document_messages
-    from graphchunk.llm import RagPrompt
 
     before, start = llm.stats(), time.monotonic()
     for (sys_prompt, mode), docs in groups.items():
         params = SamplingParams(max_tokens=1, temperature=0.0,
                                 extra_args=None if mode == "auto" else {"graphchunk_mode": mode})
-        if documents:  # vLLM's LLM.chat path, one request per document, run together below
-            for doc in docs:
-                llm.llm.enqueue_chat(document_messages(sys_prompt, QUESTION), params, use_tqdm=False,
-                                     chat_template_kwargs={"documents": [doc]})
+        _run(llm, [(sys_prompt, [doc]) for doc in docs], params, documents, progress)
+    return {"documents": sum(map(len, groups.values())), "seconds": time.monotonic() - start,
+            **_moved(before, llm.stats())}
+
+
+def precompute_contextualized(llm, groups, contexts: dict, documents: bool, journal: corpus_context.Journal,
+                              progress: bool = True) -> dict:
+    """Runs each document behind its context (``contexts``: per document's identity, the
+    documents before it) as one blend request of the ``blend_entries`` 'precompute' engine, in
+    batches; a batch all of whose documents were written to the tier is recorded in ``journal``,
+    whose documents are skipped. Returns the counters moved, documents skipped and left unwritten."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, extra_args={"graphchunk_mode": "blend"})
+    todo = [(sys_prompt, doc, contexts[tuple(doc.items())]) for (sys_prompt, _), docs in groups.items() for doc in docs]
+    left = [item for item in todo if not journal.done(*item)]
+    before, start, unwritten = llm.stats(), time.monotonic(), 0
+    bar = corpus_context.progress_bar(len(todo), len(todo) - len(left), progress)
+    for batch in corpus_context.batches(left, journal.batch_size):
+        written = llm.stats()["tier_writes"]
+        _run(llm, [(sys_prompt, [*context, doc]) for sys_prompt, doc, context in batch], params, documents, False)
+        if llm.stats()["tier_writes"] - written == len(batch):
+            journal.record(batch)
         else:
-            llm.generate([RagPrompt(sys_prompt, [doc["text"]], QUESTION) for doc in docs], params, use_tqdm=progress)
-    if documents:
+            unwritten += len(batch)
+        bar.update(len(batch))
+    bar.close()
+    return {"documents": len(todo), "seconds": time.monotonic() - start, "skipped": len(todo) - len(left),
+            "unwritten": unwritten, **_moved(before, llm.stats())}
+
+
+def _run(llm, requests: list[tuple[str, list[dict[str, str]]]], params, documents: bool, progress: bool) -> None:
+    """One request per (sys prompt, documents), run together: a documents chat request
+    (``documents``: vLLM's renderer places and tokenizes them, as for the server's) or segments."""
+    from graphchunk.documents import document_messages
+    from graphchunk.llm import RagPrompt
+
+    if documents:  # vLLM's LLM.chat path
+        for sys_prompt, docs in requests:
+            llm.llm.enqueue_chat(document_messages(sys_prompt, QUESTION), params, use_tqdm=False,
+                                 chat_template_kwargs={"documents": docs})
         llm.llm.wait_for_completion(use_tqdm=progress)
-    after = llm.stats()
-    moved = {name: after[name] - before[name] for name in ("tier_writes", "tier_bytes_written", "tier_hits",
-                                                            "tier_rejected", "tier_write_errors", "misses")}
-    return {"documents": sum(map(len, groups.values())), "seconds": time.monotonic() - start, **moved}
+    else:
+        llm.generate([RagPrompt(sys_prompt, [d["text"] for d in docs], QUESTION) for sys_prompt, docs in requests],
+                     params, use_tqdm=progress)
+
+
+def _moved(before: dict, after: dict) -> dict:
+    return {name: after[name] - before[name] for name in TIER_COUNTERS}
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -123,16 +151,25 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=1 << 30)
+    parser.add_argument("--context", default="none", choices=("none", "list", "bm25"),
+                        help="contextualized blend entries: each document computed behind the line's 'context' "
+                             "(ids of other lines) or its --context-size most related documents by BM25")
+    parser.add_argument("--context-size", type=int, default=2, help="documents before each one (--context bm25)")
+    parser.add_argument("--batch", type=int, default=64, help="documents per batch (--context: resumable per batch)")
     parser.add_argument("--graphchunk", default="{}", help="other graphchunk settings as JSON")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
+    text_only = args.format == "segments"
     try:
-        groups = read_corpus(args.corpus, args.sys, args.mode, text_only=args.format == "segments")
+        groups = read_corpus(args.corpus, args.sys, args.mode, text_only=text_only)
         extra = json.loads(args.graphchunk)
-    except (OSError, ValueError) as exc:
+        contexts = None
+        if args.context != "none":
+            contexts = corpus_context.contexts(args.corpus, groups, args.context, args.context_size, text_only)
+    except (OSError, ValueError, ImportError) as exc:
         print(f"graphchunk-precompute: {exc}", file=sys.stderr)
         return 2
     if not groups:
@@ -142,18 +179,30 @@ def main(argv: list[str] | None = None) -> int:
 
     engine = {key: value for key, value in (("block_size", args.block_size), ("max_model_len", args.max_model_len),
                                             ("chat_template", args.chat_template)) if value is not None}
+    settings = {**extra, "store_path": args.store}
+    if contexts is not None:
+        settings.update(blend_entries="precompute", mode="blend")
+    documents = args.format != "segments"
     with GraphChunkLLM(args.model, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size,
                        kv_cache_memory_bytes=args.kv_cache_memory_bytes, enforce_eager=True,
-                       graphchunk={**extra, "store_path": args.store}, **engine) as llm:
+                       graphchunk=settings, **engine) as llm:
         try:
-            result = precompute(llm, groups, documents=args.format != "segments")
+            if contexts is None:
+                result = precompute(llm, groups, documents=documents)
+            else:
+                setup = {key: getattr(args, key) for key in ("model", "dtype", "block_size", "tensor_parallel_size",
+                                                             "format", "chat_template", "context", "context_size")}
+                journal = corpus_context.Journal(args.store, setup, args.batch)
+                result = precompute_contextualized(llm, groups, contexts, documents, journal)
         except ValueError as exc:  # a document the engine refuses (too long, ...): named by vLLM's error
             print(f"graphchunk-precompute: {exc}", file=sys.stderr)
             return 2
     print(f"graphchunk-precompute: {result['documents']} documents in {result['seconds']:.1f} s: "
           f"{result['tier_writes']:.0f} tier files written ({result['tier_bytes_written'] / 2**20:.1f} MiB), "
-          f"{result['tier_hits']:.0f} already there, {result['tier_write_errors']:.0f} write errors")
-    return 1 if result["tier_write_errors"] else 0
+          f"{result['tier_hits']:.0f} already there, {result['tier_write_errors']:.0f} write errors"
+          + (f"; {result['skipped']} done by an earlier run, {result['unwritten']} not written "
+             f"(their batches are run again next time)" if contexts is not None else ""))
+    return 1 if result["tier_write_errors"] or result.get("unwritten") else 0
 
 
 if __name__ == "__main__":
