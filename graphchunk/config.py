@@ -115,7 +115,8 @@ class GraphChunkConfig:
     blend_entries: str = "alone"
     """Where the pool entries of chunks a full-prefilled blend request (``blend_misses`` 'prefill')
     lacked come from: 'alone' (each chunk computed alone at [0, L), DESIGN.md §2, from the next step
-    on) or 'context' (taken from that full prefill itself, after its forward: each chunk's KV as it
+    on; where ``store_path``'s tier holds the operator's contextualized entry of a document,
+    ``graphchunk-precompute --context``, requests without a salt load that instead) or 'context' (taken from that full prefill itself, after its forward: each chunk's KV as it
     was computed there, attending to the system prompt and documents before it, keys rotated back
     to [0, L); FusionRAG's contextualized chunk KV, online). 'context' costs no chunk forward at
     all and, measured on the oracle, blended requests over such entries answer closer to full
