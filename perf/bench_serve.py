@@ -243,7 +243,8 @@ def precompute(args, model: Path, levels, tier: Path, work: Path, log=print, con
     log(f"[serve] precompute of {len(lines)} documents: {' '.join(command)}")
     start = time.monotonic()
     done = subprocess.run(command, capture_output=True, text=True)
-    tail = (done.stdout + done.stderr).strip().splitlines()[-1:] or [""]
+    tail = [line for line in (done.stdout + done.stderr).splitlines() if line.startswith("graphchunk-precompute: ")][-1:] \
+        or [""]
     if done.returncode:
         raise RuntimeError(f"graphchunk-precompute failed ({done.returncode}):\n{done.stderr[-3000:]}")
     log(f"[serve] {tail[0]}")

@@ -95,7 +95,10 @@ def test_a_listed_context_is_the_lines_it_names_in_order(tmp_path):
 
 
 def test_bm25_puts_the_most_related_documents_next_to_each_one(tmp_path):
-    path = write(tmp_path, CONTEXT_CORPUS)
+    with pytest.raises(ValueError, match="docs.jsonl:2: this line names its 'context'; --context bm25"):
+        path = write(tmp_path, CONTEXT_CORPUS)
+        contexts(path, read_corpus(path, "S", "auto"), "bm25", 2)
+    path = write(tmp_path, [{k: v for k, v in line.items() if k != "context"} for line in CONTEXT_CORPUS])
     found = contexts(path, read_corpus(path, "S", "auto"), "bm25", 2)
     by_text = {dict(k)["text"][:5]: [d["text"][:5] for d in v] for k, v in found.items()}
     assert by_text["Quant"] == ["Qubit"]  # the only document sharing its terms

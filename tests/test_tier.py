@@ -223,7 +223,7 @@ def test_contextualized_entries_are_served_as_hf_computes_them_behind_their_cont
     chunk's keys moved by HF's own rotary embedding from where it sat in its own precompute request
     to where it lands, 30 % of the context recomputed as the question policy picks by HF's
     attention; the same request over entries computed alone answers otherwise. A second run with
-    the same settings computes nothing (the journal)."""
+    the same settings starts no engine (the journal)."""
     result, written = precomputed_context
     a, b, c = context_corpus[1]
     assert len(written) == 3 and "0 not written" in result.stdout
@@ -252,7 +252,7 @@ def test_contextualized_entries_are_served_as_hf_computes_them_behind_their_cont
     _, alone = tiny_oracle.blend_generate(ids, lay, picked, 1)
     assert (alone[0] - logprobs[0]).abs().max() > 1e-3
     again, _ = _precompute(tiny, store, context_corpus[0], "--mode", "auto", "--context", "list")
-    assert "0 tier files written" in again.stdout and "3 done by an earlier run" in again.stdout
+    assert "all 3 documents were written by an earlier run with these settings" in again.stdout
 
 
 def test_two_live_servers_reuse_each_others_chunks(server_a, server_b, tiny_oracle):

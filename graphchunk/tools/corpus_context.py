@@ -63,6 +63,10 @@ def contexts(path: str | Path, groups: dict, method: str, size: int, text_only: 
     lines = list(corpus_lines(path, text_only))
     if method == "list":
         return _listed(lines)
+    for where, record, _ in lines:
+        if "context" in record:
+            raise ValueError(f"{where}: this line names its 'context'; --context bm25 would choose another "
+                             "(use --context list)")
     if size < 1:
         raise ValueError(f"--context-size must be >= 1, got {size}")
     return _related(lines, size)

@@ -175,6 +175,17 @@ def main(argv: list[str] | None = None) -> int:
     if not groups:
         print(f"graphchunk-precompute: {args.corpus} holds no documents", file=sys.stderr)
         return 2
+    journal = None
+    if contexts is not None:
+        setup = {key: getattr(args, key) for key in ("model", "dtype", "block_size", "tensor_parallel_size",
+                                                     "format", "chat_template", "context", "context_size")}
+        journal = corpus_context.Journal(args.store, setup, args.batch)
+        todo = [(sys_prompt, doc, contexts[tuple(doc.items())]) for (sys_prompt, _), docs in groups.items()
+                for doc in docs]
+        if all(journal.done(*item) for item in todo):
+            print(f"graphchunk-precompute: all {len(todo)} documents were written by an earlier run with these "
+                  f"settings ({journal.path}); nothing to compute")
+            return 0
     from graphchunk import GraphChunkLLM
 
     engine = {key: value for key, value in (("block_size", args.block_size), ("max_model_len", args.max_model_len),
@@ -190,9 +201,6 @@ def main(argv: list[str] | None = None) -> int:
             if contexts is None:
                 result = precompute(llm, groups, documents=documents)
             else:
-                setup = {key: getattr(args, key) for key in ("model", "dtype", "block_size", "tensor_parallel_size",
-                                                             "format", "chat_template", "context", "context_size")}
-                journal = corpus_context.Journal(args.store, setup, args.batch)
                 result = precompute_contextualized(llm, groups, contexts, documents, journal)
         except ValueError as exc:  # a document the engine refuses (too long, ...): named by vLLM's error
             print(f"graphchunk-precompute: {exc}", file=sys.stderr)
