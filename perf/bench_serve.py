@@ -192,10 +192,16 @@ def server_flags(args) -> list[str]:
     return flags + budget + ["--enforce-eager"] * args.enforce_eager
 
 
+def server_name(kind: str, store: Path | None) -> str:
+    """A server's name in logs and the result: its kind, marked when it serves a precomputed tier
+    (``blend-corpus`` kinds always do: their name says so)."""
+    return kind + ("-precomputed" if store and not on_corpus(kind) else "")
+
+
 def start_server(args, model: Path, kind: str, work: Path, store: Path | None = None, log=print) -> VllmServer:
     settings = settings_of(kind)
     settings = settings and {**settings, **({"store_path": str(store)} if store else {})}
-    name = kind + ("-precomputed" if store and not on_corpus(kind) else "")
+    name = server_name(kind, store)
     server = VllmServer(model, dtype=args.dtype, graphchunk=settings, flags=server_flags(args),
                         worker_cls="graphchunk.Runner" if settings else None, log_path=work / f"{name}.log")
     log(f"[serve] starting {name}: vllm {' '.join(server.args)}")
@@ -297,8 +303,7 @@ def run_kind(args, model: Path, kind: str, levels, work: Path, store: Path | Non
         raise
     finally:
         server.stop()
-    name = kind + ("-precomputed" if store and not on_corpus(kind) else "")
-    return rows, {"name": name, "command": "vllm " + " ".join(server.args), "startup_s": round(server.startup_s, 1)}
+    return rows, {"name": server_name(kind, store), "command": "vllm " + " ".join(server.args), "startup_s": round(server.startup_s, 1)}
 
 
 # --- report -------------------------------------------------------------------------------------

@@ -4,7 +4,8 @@ import json
 import pytest
 
 from graphchunk.tools.corpus_context import Journal, contexts
-from graphchunk.tools.precompute import main, make_parser, precompute, precompute_contextualized, read_corpus
+from graphchunk.tools.precompute import contextualized, main, make_parser, precompute, precompute_contextualized, \
+    read_corpus
 
 
 def write(tmp_path, lines):
@@ -142,19 +143,19 @@ class CapturingEngine:
 def test_a_contextualized_run_resumes_after_the_last_batch_it_wrote(tmp_path):
     path = write(tmp_path, CONTEXT_CORPUS)
     groups = read_corpus(path, "S", "auto")
-    found = contexts(path, groups, "list", 2)
+    todo = contextualized(groups, contexts(path, groups, "list", 2))
     setup = {"model": "m", "context": "list"}
     engine = CapturingEngine(fail={"Tea grows on terraced hillsides."})
-    result = precompute_contextualized(engine, groups, found, False, Journal(tmp_path / "store", setup, 2), False)
+    result = precompute_contextualized(engine, todo, False, Journal(tmp_path / "store", setup, 2), False)
     assert (result["documents"], result["skipped"], result["unwritten"]) == (5, 0, 1)
     assert engine.sent[1] == ("Qubits in superposition let quantum computers explore many states.",
                               "The cat sat on the mat and purred at the dog.",
                               "Quantum computers use qubits and superposition.")
     again = CapturingEngine()
-    result = precompute_contextualized(again, groups, found, False, Journal(tmp_path / "store", setup, 2), False)
+    result = precompute_contextualized(again, todo, False, Journal(tmp_path / "store", setup, 2), False)
     assert (result["skipped"], result["unwritten"], again.sent) == (4, 0, [("Tea grows on terraced hillsides.",)])
     other = CapturingEngine()  # other settings (or another context) compute everything again
-    precompute_contextualized(other, groups, found, False, Journal(tmp_path / "store", {**setup, "model": "n"}), False)
+    precompute_contextualized(other, todo, False, Journal(tmp_path / "store", {**setup, "model": "n"}), False)
     assert len(other.sent) == 5
 
 

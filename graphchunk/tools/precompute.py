@@ -88,16 +88,21 @@ def precompute(llm, groups: dict[tuple[str, str], list[dict[str, str]]], documen
             **_moved(before, llm.stats())}
 
 
-def precompute_contextualized(llm, groups, contexts: dict, documents: bool, journal: corpus_context.Journal,
+def contextualized(groups, contexts: dict) -> list[tuple[str, dict[str, str], list[dict[str, str]]]]:
+    """(sys prompt, document, its context) of every document of ``groups``; ``contexts``: per
+    document's identity, the documents before it (``corpus_context.contexts``)."""
+    return [(sys_prompt, doc, contexts[tuple(doc.items())]) for (sys_prompt, _), docs in groups.items() for doc in docs]
+
+
+def precompute_contextualized(llm, todo: list, documents: bool, journal: corpus_context.Journal,
                               progress: bool = True) -> dict:
-    """Runs each document behind its context (``contexts``: per document's identity, the
-    documents before it) as one blend request of the ``blend_entries`` 'precompute' engine, in
-    batches; a batch all of whose documents were written to the tier is recorded in ``journal``,
-    whose documents are skipped. Returns the counters moved, documents skipped and left unwritten."""
+    """Runs each document of ``todo`` (``contextualized``) behind its context as one blend request
+    of the ``blend_entries`` 'precompute' engine, in batches; a batch all of whose documents were
+    written to the tier is recorded in ``journal``, whose documents are skipped. Returns the
+    counters moved, documents skipped and left unwritten."""
     from vllm import SamplingParams
 
     params = SamplingParams(max_tokens=1, temperature=0.0, extra_args={"graphchunk_mode": "blend"})
-    todo = [(sys_prompt, doc, contexts[tuple(doc.items())]) for (sys_prompt, _), docs in groups.items() for doc in docs]
     left = [item for item in todo if not journal.done(*item)]
     before, start, unwritten = llm.stats(), time.monotonic(), 0
     bar = corpus_context.progress_bar(len(todo), len(todo) - len(left), progress)
@@ -175,13 +180,12 @@ def main(argv: list[str] | None = None) -> int:
     if not groups:
         print(f"graphchunk-precompute: {args.corpus} holds no documents", file=sys.stderr)
         return 2
-    journal = None
+    journal = todo = None
     if contexts is not None:
         setup = {key: getattr(args, key) for key in ("model", "dtype", "block_size", "tensor_parallel_size",
                                                      "format", "chat_template", "context", "context_size")}
         journal = corpus_context.Journal(args.store, setup, args.batch)
-        todo = [(sys_prompt, doc, contexts[tuple(doc.items())]) for (sys_prompt, _), docs in groups.items()
-                for doc in docs]
+        todo = contextualized(groups, contexts)
         if all(journal.done(*item) for item in todo):
             print(f"graphchunk-precompute: all {len(todo)} documents were written by an earlier run with these "
                   f"settings ({journal.path}); nothing to compute")
@@ -193,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = {**extra, "store_path": args.store}
     if contexts is not None:
         settings.update(blend_entries="precompute", mode="blend")
-    documents = args.format != "segments"
+    documents = not text_only
     with GraphChunkLLM(args.model, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size,
                        kv_cache_memory_bytes=args.kv_cache_memory_bytes, enforce_eager=True,
                        graphchunk=settings, **engine) as llm:
@@ -201,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
             if contexts is None:
                 result = precompute(llm, groups, documents=documents)
             else:
-                result = precompute_contextualized(llm, groups, contexts, documents, journal)
+                result = precompute_contextualized(llm, todo, documents, journal)
         except ValueError as exc:  # a document the engine refuses (too long, ...): named by vLLM's error
             print(f"graphchunk-precompute: {exc}", file=sys.stderr)
             return 2
