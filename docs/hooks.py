@@ -3,7 +3,7 @@
 ``<!-- settings -->`` becomes the table of ``GraphChunkConfig``'s fields (key, default, the
 field's docstring); ``<!-- metrics -->`` the table of ``graphchunk.metrics.SCHEMA`` (the name as
 /metrics exports it, its kind, its help text); ``<!-- quality: perf/results/X.json -->`` the
-table of a ``perf/bench_blend.py`` result (exact match per setting and family, its paired
+table of a ``perf/answers/bench_blend.py`` result (exact match per setting and family, its paired
 difference to full prefill, KL, all-hit TTFT). Run by ``mkdocs build`` (``mkdocs.yml``: hooks).
 """
 from __future__ import annotations

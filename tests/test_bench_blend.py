@@ -1,4 +1,4 @@
-"""CI-sized run of ``perf/bench_blend.py`` (``--quick``): the benchmark that decides works end to end.
+"""CI-sized run of ``perf/answers/bench_blend.py`` (``--quick``): the benchmark that decides works end to end.
 
 One subprocess, as a user runs it: ``--quick`` (4 prompts, one of each task family: ``fact``,
 ``paraphrase``, ``two_hop``, ``which_doc``; 3 documents of ~80 tokens, a 14-token continuation) with vanilla, isolated, blend none and cacheblend
@@ -18,10 +18,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "perf"))
 
-from blend_metrics import FULL_KL_TOL, METRICS, paired  # noqa: E402
-from blend_task import TASK_KINDS  # noqa: E402
+from perf.answers.blend_metrics import FULL_KL_TOL, METRICS, paired
+from perf.answers.blend_task import TASK_KINDS
 
 pytestmark = pytest.mark.slow
 
@@ -32,7 +31,7 @@ SETTINGS = ["vanilla", "isolated", "isolated T=0.8", "blend none", "question r=0
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench_blend")
-    cmd = [sys.executable, str(REPO / "perf/bench_blend.py"), "--quick", "--enforce-eager",
+    cmd = [sys.executable, "-m", "perf.answers.bench_blend", "--quick", "--enforce-eager",
            "--settings", "vanilla,isolated,isolated:0.8,none,question:0.3,question:0.3@2,cacheblend:1.0",
            "--baseline", "question:0.3", "--out", str(out / "blend.json"),
            "--plot", str(out / "blend.png")]

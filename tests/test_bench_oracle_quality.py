@@ -1,4 +1,4 @@
-"""CI-sized run of ``perf/bench_oracle_quality.py`` (``--quick``): the oracle's quality benchmark works
+"""CI-sized run of ``perf/answers/bench_oracle_quality.py`` (``--quick``): the oracle's quality benchmark works
 end to end. One subprocess as a user runs it (4 prompts, one per task family, 3 documents of ~80
 tokens): it exits 0 with its checks passed, every setting has a row over every prompt with exact
 match, KL and their 95 % intervals around them (overall and per family), full prefill is its own
@@ -15,10 +15,9 @@ import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "perf"))
 
-from blend_metrics import FULL_KL_TOL  # noqa: E402
-from rag_tasks import FAMILIES  # noqa: E402
+from perf.answers.blend_metrics import FULL_KL_TOL
+from perf.answers.rag_tasks import FAMILIES
 
 pytestmark = pytest.mark.slow
 
@@ -26,7 +25,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
     out = tmp_path_factory.mktemp("oracle_quality")
-    cmd = [sys.executable, str(REPO / "perf/bench_oracle_quality.py"), "--quick", "--out", str(out / "q.json"),
+    cmd = [sys.executable, "-m", "perf.answers.bench_oracle_quality", "--quick", "--out", str(out / "q.json"),
            "--plot", str(out / "q.png")]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"

@@ -1,4 +1,4 @@
-"""The replicas benchmark end to end at its ``--quick`` size (``perf/bench_replicas.py``): one
+"""The replicas benchmark end to end at its ``--quick`` size (``perf/serving/bench_replicas.py``): one
 server, then two behind vllm-router's ``kv_aware`` (fed by the servers' KV events), on the tiny
 Llama checkpoint. Asserts what could go wrong whatever the timings: every request completed and
 every document lookup accounted for (pool, tier or computed, per replica); the router got each
@@ -25,7 +25,7 @@ TIMEOUT_S = 900  # ~2 min on 2 cores: three server starts, four passes
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench-replicas")
-    command = [sys.executable, str(REPO / "perf/bench_replicas.py"), "--quick", "--policies", "one,kv_aware",
+    command = [sys.executable, "-m", "perf.serving.bench_replicas", "--quick", "--policies", "one,kv_aware",
                "--out", str(out / "replicas.json"), "--work-dir", str(out / "work")]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S)
     print(done.stdout[-4000:])

@@ -1,4 +1,4 @@
-"""The serving benchmark end to end at its ``--quick`` size (``perf/bench_serve.py``).
+"""The serving benchmark end to end at its ``--quick`` size (``perf/serving/bench_serve.py``).
 
 vLLM's own ``vllm bench serve`` (through the benchmark's shim) against vanilla vLLM and graphchunk's
 isolated and blend servers on the tiny Llama checkpoint, concurrency 1 and 2, a few requests a
@@ -28,7 +28,7 @@ PHASES = {"vanilla": ("cold", "warm", "ceiling"), "isolated": ("cold", "warm", "
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench-serve")
-    command = [sys.executable, str(REPO / "perf/bench_serve.py"), "--quick", "--out", str(out / "serve.json"),
+    command = [sys.executable, "-m", "perf.serving.bench_serve", "--quick", "--out", str(out / "serve.json"),
                "--plot", str(out / "serve.png"), "--work-dir", str(out / "work")]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S)
     print(done.stdout[-4000:])
@@ -120,8 +120,7 @@ def test_every_check_passed(result):
 
 def test_a_blend_kind_names_its_recompute_policy():
     """``blend:POLICY`` serves blend with that policy as the deployment's default; a bad one is refused."""
-    sys.path.insert(0, str(REPO / "perf"))
-    from bench_serve import on_corpus, settings_of, tenant_of
+    from perf.serving.bench_serve import on_corpus, settings_of, tenant_of
 
     from graphchunk.config import GraphChunkConfig
 

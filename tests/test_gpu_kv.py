@@ -1,4 +1,4 @@
-"""CI-sized run of ``perf/gpu_kv.py`` (``--quick``, CPU): the GPU harness of graphchunk's KV code
+"""CI-sized run of ``perf/gpu/gpu_kv.py`` (``--quick``, CPU): the GPU harness of graphchunk's KV code
 works end to end without vLLM, and its checks can fail.
 
 One subprocess runs it as a lent GPU machine would, but with ``vllm`` unimportable
@@ -19,9 +19,8 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "perf"))
 
-import gpu_kv  # noqa: E402
+from perf.gpu import gpu_kv
 
 LAYOUTS = ["LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC"]
 CHECKS = {"write", "probe", "blocks"} | {f"{path}/{op}" for path in ("strided", "gather")
@@ -34,7 +33,7 @@ WITHOUT_VLLM = ("import runpy, sys; sys.modules['vllm'] = sys.modules['xxhash'] 
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_kv") / "gpu_kv.json"
-    proc = subprocess.run([sys.executable, "-c", WITHOUT_VLLM, str(REPO / "perf/gpu_kv.py"), "--quick", "--out", str(out)],
+    proc = subprocess.run([sys.executable, "-c", WITHOUT_VLLM, str(REPO / "perf/gpu/gpu_kv.py"), "--quick", "--out", str(out)],
                           cwd=REPO, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
     print(proc.stdout, proc.stderr)
     return proc, json.loads(out.read_text()) if out.exists() else None

@@ -1,17 +1,15 @@
-"""``perf/pair_results.py``: rows of two bench_blend results paired prompt by prompt, only over the same prompts."""
+"""``perf/answers/pair_results.py``: rows of two bench_blend results paired prompt by prompt, only over the same prompts."""
 from __future__ import annotations
 
 import copy
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "perf"))
 
-import pair_results  # noqa: E402
+from perf.answers import pair_results
 
 
 def result(kl, em):

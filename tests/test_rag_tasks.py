@@ -1,18 +1,14 @@
-"""The quality benchmarks' tasks (perf/rag_tasks.py): what each family plants where, and how an
+"""The quality benchmarks' tasks (perf/answers/rag_tasks.py): what each family plants where, and how an
 answer is scored. Host-side, the SmolLM2 tokenizer, no model."""
 from __future__ import annotations
 
 import random
 import re
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "perf"))
-
-from rag_tasks import FAMILIES, PARAPHRASES, build_tasks, encode, parse_docs, parse_families  # noqa: E402
+from perf.answers.rag_tasks import FAMILIES, PARAPHRASES, build_tasks, encode, parse_docs, parse_families
 
 
 @pytest.fixture(scope="module")

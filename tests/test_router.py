@@ -1,5 +1,5 @@
 """Two graphchunk replicas behind vLLM's router (``vllm-router``, round robin), sharing one
-persistent tier (``perf/replicas.py``): answers through the router equal the HF oracle token for
+persistent tier (``perf/serving/replicas.py``): answers through the router equal the HF oracle token for
 token; documents one replica computed are served to the other from the shared tier, not computed
 again; each replica's /metrics counts its own work; a tenant's salt keeps it from the other tenant's
 tier files, as vLLM's prefix cache would.
@@ -9,8 +9,6 @@ exact).
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 from pydoc_data.topics import topics
@@ -18,9 +16,7 @@ from pydoc_data.topics import topics
 from graphchunk.documents import document_messages, hf_render, place_documents
 from graphchunk.segments import split_at
 from graphchunk.tools.serve_demo import SERVER_FLAGS
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "perf"))
-from replicas import Replicas, router_program  # noqa: E402
+from perf.serving.replicas import Replicas, router_program
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""CI-sized soak (``perf/soak.py``): concurrent clients over the OpenAI server with faults.
+"""CI-sized soak (``perf/soak/soak.py``): concurrent clients over the OpenAI server with faults.
 
 The tiny Llama-llama3 checkpoint in fp32 (fast on two cores), a few hundred requests from 6
 client threads over 40 documents of CPython help-topic text with Zipf popularity, a chunk pool an
@@ -15,20 +15,17 @@ its budget. Nothing here depends on timing: faults happen at trace positions, an
 polls a condition against a deadline.
 
 The full-size run (SmolLM2, thousands of requests, vanilla vLLM's throughput on the same trace)
-is ``perf/soak.py``'s default; README "Soak" has the command.
+is ``perf/soak/soak.py``'s default; README "Soak" has the command.
 """
 from __future__ import annotations
 
 import json
 import shlex
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "perf"))
-
-import soak  # noqa: E402
+from perf.soak import soak
 
 pytestmark = pytest.mark.slow
 
@@ -45,7 +42,7 @@ def result(tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("soak")
     argv = [*ARGV, "--log-dir", str(log_dir), "--out", str(log_dir / "soak.json")]
     args = soak.build_parser().parse_args(argv)
-    found = soak.Soak(args).run(shlex.join(["perf/soak.py", *argv]))
+    found = soak.Soak(args).run(shlex.join(["perf/soak/soak.py", *argv]))
     (log_dir / "soak.json").write_text(json.dumps(found, indent=1))
     print(json.dumps({k: v for k, v in found.items() if k not in ("memory", "per_server", "config")}, indent=1))
     return found

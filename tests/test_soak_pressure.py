@@ -1,4 +1,4 @@
-"""CI-sized soak under pool pressure (``perf/soak_pressure.py``): both modes through the server.
+"""CI-sized soak under pool pressure (``perf/soak/pressure.py``): both modes through the server.
 
 The tiny Llama-llama3 checkpoint in fp32 (fast on two cores), one graphchunk server per mode
 (isolated; blend with recompute_ratio 1.0) whose chunk pool holds about two requests' contexts
@@ -8,7 +8,7 @@ combinations with the documents reordered: token ids with explicit boundaries an
 text, bodies batching 2-4 prompts, tenant cache_salts, client disconnects (bodies of documents no
 other request carries among them, closed while their misses are computed), and fill failures
 injected by a worker that poisons a pool entry on every 5th step that copies from the pool
-(``perf/soak_fill_faults.py``). Asserts every completed prompt equals its HF reference token for
+(``perf/soak/fill_faults.py``). Asserts every completed prompt equals its HF reference token for
 token (isolated: the isolated oracle; blend at ratio 1: the plain causal forward), the only
 requests that failed are those whose copy read a poisoned entry (every failed copy found the
 poison, no other copy failed) and the server logged no other error, each poisoned entry left the
@@ -18,7 +18,7 @@ many happen depends on how the requests overlap (a few per hundred bodies on the
 Nothing asserted depends on timing (a planned disconnect that lands after the answer counts as
 late, not as an abort).
 
-The full runs (SmolLM2, 500 bodies per mode): ``perf/soak_pressure.py``'s defaults write
+The full runs (SmolLM2, 500 bodies per mode): ``perf/soak/pressure.py``'s defaults write
 perf/results/soak_pressure.json (no injected faults); with high disconnect rates and injected fill
 failures, perf/results/soak_aborts.json (docs/correctness.md has the command).
 """
@@ -26,14 +26,11 @@ from __future__ import annotations
 
 import json
 import shlex
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "perf"))
-
-import soak_pressure  # noqa: E402
+from perf.soak import pressure as soak_pressure
 
 pytestmark = pytest.mark.slow
 
@@ -51,7 +48,7 @@ def result(tmp_path_factory):
     argv = [*ARGV, "--log-dir", str(log_dir), "--out", str(log_dir / "soak_pressure.json")]
     args = soak_pressure.build_parser().parse_args(argv)
     found = soak_pressure.PressureSoak(args).run(list(soak_pressure.MODES),
-                                                 shlex.join(["perf/soak_pressure.py", *argv]))
+                                                 shlex.join(["perf/soak/pressure.py", *argv]))
     (log_dir / "soak_pressure.json").write_text(json.dumps(found, indent=1))
     print(json.dumps({mode: {k: r[k] for k in soak_pressure.SUMMARY} for mode, r in found["modes"].items()},
                      indent=1))

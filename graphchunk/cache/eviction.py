@@ -8,7 +8,7 @@ nothing else. The pool tells it every event that changes that set or an entry's 
 next, only while at least one entry is evictable. ``victim`` chooses; the pool evicts and then
 reports ``dropped``. A policy never sees an entry in use as a candidate, so no policy can evict one.
 
-Policies (``POLICIES``; measured on Zipf RAG traces by ``perf/bench_eviction.py``, results in
+Policies (``POLICIES``; measured on Zipf RAG traces by ``perf/micro/bench_eviction.py``, results in
 ``perf/results/eviction.json``):
 
 * ``lru``  least recently released first (graphchunk's original order; SGLang's

@@ -685,22 +685,22 @@ def _entries() -> tuple[Name, ...]:
 
     # --- perf only ----------------------------------------------------------------------------------
     P = "perf"
-    add(n("vllm", "", "module", "perf/harness.py", scope=P))
+    add(n("vllm", "", "module", "perf/common/harness.py", scope=P))
     for module, name, where in (
-            ("vllm.utils.math_utils", "round_up", "perf/bench_ttft.py, perf/blend_runner.py"),
-            ("vllm.benchmarks", "serve", "perf/bench_serve.py"),
-            ("vllm.benchmarks.datasets", "datasets", "perf/bench_serve.py"),
-            ("vllm.v1.sample.logits_processor", "BatchUpdate", "perf/force_tokens.py"),
-            ("vllm.v1.sample.logits_processor", "LogitsProcessor", "perf/force_tokens.py"),
-            ("vllm.v1.sample.logits_processor.builtin", "process_dict_updates", "perf/force_tokens.py"),
-            ("vllm.benchmarks.serve", "add_cli_args", "perf/bench_serve.py"),
-            ("vllm.benchmarks.serve", "main", "perf/bench_serve.py")):
+            ("vllm.utils.math_utils", "round_up", "perf/serving/bench_ttft.py, perf/answers/blend_runner.py"),
+            ("vllm.benchmarks", "serve", "perf/serving/bench_serve.py"),
+            ("vllm.benchmarks.datasets", "datasets", "perf/serving/bench_serve.py"),
+            ("vllm.v1.sample.logits_processor", "BatchUpdate", "perf/answers/force_tokens.py"),
+            ("vllm.v1.sample.logits_processor", "LogitsProcessor", "perf/answers/force_tokens.py"),
+            ("vllm.v1.sample.logits_processor.builtin", "process_dict_updates", "perf/answers/force_tokens.py"),
+            ("vllm.benchmarks.serve", "add_cli_args", "perf/serving/bench_serve.py"),
+            ("vllm.benchmarks.serve", "main", "perf/serving/bench_serve.py")):
         add(n(module, name, "import", where, "", scope=P))
-    add(n("vllm.benchmarks.datasets.datasets", "CustomDataset.sample", "patch", "perf/bench_serve.py",
+    add(n("vllm.benchmarks.datasets.datasets", "CustomDataset.sample", "patch", "perf/serving/bench_serve.py",
           "RAG documents through vLLM's own load generator", ("tokenizer", "num_requests", "..."), scope=P))
     for attr in ("chat_messages", "request_overrides"):  # what the patched sample sets on each request
-        add(n("vllm.benchmarks.datasets.datasets", f"SampleRequest.{attr}", "field", "perf/bench_serve.py", scope=P))
-    add(n("vllm.benchmarks.datasets.datasets", "CustomDataset.data", "attribute", "perf/bench_serve.py", scope=P))
+        add(n("vllm.benchmarks.datasets.datasets", f"SampleRequest.{attr}", "field", "perf/serving/bench_serve.py", scope=P))
+    add(n("vllm.benchmarks.datasets.datasets", "CustomDataset.data", "attribute", "perf/serving/bench_serve.py", scope=P))
     return tuple(entries)
 
 

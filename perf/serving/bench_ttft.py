@@ -1,6 +1,6 @@
 """Time to first token: vanilla vLLM vs graphchunk (all chunks missing, all chunks cached).
 
-    python perf/bench_ttft.py [--chunks 8 --chunk-tokens 512 --sys-tokens 32 --question-tokens 64
+    python -m perf.serving.bench_ttft [--chunks 8 --chunk-tokens 512 --sys-tokens 32 --question-tokens 64
                                --repeats N --dtype bfloat16 --sweep 1,2,4,8
                                --out perf/results/ttft_cpu.json --plot perf/results/ttft_cpu.png]
 
@@ -44,8 +44,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import harness as H
-from ttft_workload import Request, Workload, build_workload, engine_requests, expected_stats, stats_violations
+from perf.common import harness as H
+from perf.serving.ttft_workload import Request, Workload, build_workload, engine_requests, expected_stats, stats_violations
 
 REPO = H.REPO
 TARGET = {"speedup_all_hit": 20.0, "ratio_all_miss": 1.1}

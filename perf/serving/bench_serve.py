@@ -1,7 +1,7 @@
 """Serving benchmark: how much more one server serves, and how soon its users see a first token,
 under RAG traffic, measured by vLLM's own load generator (``vllm bench serve``) against vanilla vLLM.
 
-    python perf/bench_serve.py [--model smollm2] [--concurrency 1,8,32] [--num-prompts 24,48,96]
+    python -m perf.serving.bench_serve [--model smollm2] [--concurrency 1,8,32] [--num-prompts 24,48,96]
                                [--format chat|completions] [--out perf/results/serve.json] [--quick]
 
 Servers, one at a time, on the same ``vllm serve`` flags (``server_flags``; vLLM's compilation on
@@ -70,17 +70,11 @@ import tempfile
 import time
 from pathlib import Path
 
-PERF = Path(__file__).resolve().parent
-REPO = PERF.parent
-for path in (str(REPO), str(PERF)):
-    if path not in sys.path:
-        sys.path.insert(0, path)
-
-import harness as H  # noqa: E402
-import serve_trace as T  # noqa: E402
-from blend_task import one_setting  # noqa: E402
-from soak_server import scrape, total  # noqa: E402
-from graphchunk.tools.serve_demo import VllmServer  # noqa: E402
+from perf.common import harness as H
+from perf.serving import serve_trace as T
+from perf.answers.blend_task import one_setting
+from perf.common.server import scrape, total
+from graphchunk.tools.serve_demo import VllmServer
 
 KINDS = {"vanilla": None, "isolated": {"mode": "isolated"}, "blend": {"mode": "blend"}}
 """Server kind -> graphchunk's settings (None: vanilla vLLM, its own worker). Besides these,
@@ -494,7 +488,7 @@ def table(result: dict) -> str:
 # --- main ---------------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="perf/bench_serve.py", description=__doc__.splitlines()[0],
+    p = argparse.ArgumentParser(prog="perf/serving/bench_serve.py", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("model and servers")
     g.add_argument("--model", default="smollm2", help="smollm2, tiny-llama3 or a path")
@@ -526,8 +520,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0)
     p.add_argument("--work-dir", default="", help="traces, vLLM's result files, logs, tier ('': a temp directory)")
     p.add_argument("--keep-work", action="store_true", help="keep the work directory (the tier is always removed)")
-    p.add_argument("--out", type=Path, default=REPO / "perf/results/serve.json")
-    p.add_argument("--plot", type=Path, default=REPO / "perf/results/serve.png")
+    p.add_argument("--out", type=Path, default=H.REPO / "perf/results/serve.json")
+    p.add_argument("--plot", type=Path, default=H.REPO / "perf/results/serve.png")
     return p
 
 

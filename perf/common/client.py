@@ -21,7 +21,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from soak_trace import Encoder, Item
+from perf.common.trace import Encoder, Item
 
 
 @dataclass

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-PERF = Path(__file__).resolve().parent
+PERF = Path(__file__).resolve().parents[1]
 REPO = PERF.parent
 
 
@@ -44,16 +44,17 @@ def script_env() -> None:
     * ``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS``: vLLM kills the engine when one step takes over 300 s;
       a 4k-token bf16 prefill on a CPU without native bf16 under load comes close, and that step
       is what the benches measure;
-    * ``perf/`` on ``PYTHONPATH`` and ``sys.path``: a spawned engine core must import perf modules
-      too (``force_tokens.ForceTokens``, a logits processor)."""
+    * the repository on ``PYTHONPATH`` and ``sys.path``: a spawned engine core or server must
+      import ``perf`` modules too (``perf.answers.force_tokens.ForceTokens``, a logits processor;
+      ``perf.soak.fill_faults.FaultyRunner``, a worker)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "3600")
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if str(PERF) not in paths:
-        os.environ["PYTHONPATH"] = os.pathsep.join([str(PERF), *paths])
-    if str(PERF) not in sys.path:
-        sys.path.insert(0, str(PERF))
+    if str(REPO) not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO), *paths])
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
 
 
 def resolve_model(name: str | None) -> Path:
@@ -251,9 +252,9 @@ def config_dict(args, skip=()) -> dict:
 
 
 def command_line(script: str, argv=None) -> str:
-    """How to run this again from the repository root."""
-    return shlex.join([".venv/bin/python", os.path.relpath(script, REPO),
-                       *(sys.argv[1:] if argv is None else argv)])
+    """How to run this again from the repository root (``python -m perf.GROUP.SCRIPT``)."""
+    module = ".".join(Path(os.path.relpath(script, REPO)).with_suffix("").parts)
+    return shlex.join([".venv/bin/python", "-m", module, *(sys.argv[1:] if argv is None else argv)])
 
 
 def write_json(path: Path | str, result: dict) -> None:

@@ -1,9 +1,9 @@
 """Quality and speed of every graphchunk setting against vanilla full prefill, side by side, in one run.
 
-    python perf/bench_blend.py [--prompts 48 --docs 5-8 --doc-tokens 150 --families all --continuation 16
+    python -m perf.answers.bench_blend [--prompts 48 --docs 5-8 --doc-tokens 150 --families all --continuation 16
                                 --repeats 1 --settings all --out perf/results/blend_quality.json
                                 --plot perf/results/blend_quality.png]
-    python perf/bench_blend.py --quick --enforce-eager --settings vanilla,isolated,isolated:0.8,none,question:0.3,cacheblend:1.0
+    python -m perf.answers.bench_blend --quick --enforce-eager --settings vanilla,isolated,isolated:0.8,none,question:0.3,cacheblend:1.0
                                                            # CI (tests/test_bench_blend.py), ~2 min
 
 Default sizes: 48 prompts (12 of each task family) x 5-8 documents of ~150 tokens (~1.1k-token
@@ -105,11 +105,11 @@ import json
 import sys
 from pathlib import Path
 
-import harness as H
-from blend_metrics import DEFINITIONS, FULL_KL_TOL, plot, print_table, rows
-from blend_runner import run
-from blend_task import DEFAULT_SETTINGS, SYS_TEXT, one_setting, parse_settings
-from rag_tasks import FAMILIES, parse_docs, parse_families
+from perf.common import harness as H
+from perf.answers.blend_metrics import DEFINITIONS, FULL_KL_TOL, plot, print_table, rows
+from perf.answers.blend_runner import run
+from perf.answers.blend_task import DEFAULT_SETTINGS, SYS_TEXT, one_setting, parse_settings
+from perf.answers.rag_tasks import FAMILIES, parse_docs, parse_families
 
 REPO = H.REPO
 QUICK = dict(prompts=4, docs="3", doc_tokens=80, repeats=1, distractors=1, continuation=14)

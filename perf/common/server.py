@@ -11,7 +11,7 @@
   corruption in place, ``read_or_none`` reads one back;
 * ``poll``: a condition's first truthy value within a deadline.
 
-Needs the repository on ``sys.path`` (``soak.py`` puts it there) for ``graphchunk``.
+Imports ``graphchunk`` (installed, or the repository on ``sys.path``: ``harness.script_env``).
 """
 from __future__ import annotations
 

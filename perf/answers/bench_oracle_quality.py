@@ -1,9 +1,9 @@
 """Answer quality of every way to reuse documents, against full prefill, on the HF oracle, in one run.
 
-    python perf/bench_oracle_quality.py [--doc-tokens 150,400 --prompts 48 --docs 5-8 --families all
+    python -m perf.answers.bench_oracle_quality [--doc-tokens 150,400 --prompts 48 --docs 5-8 --families all
                                          --settings all --out perf/results/oracle_quality.json
                                          --plot perf/results/oracle_quality.png]   # ~1 h on 2 cores
-    python perf/bench_oracle_quality.py --quick                                    # CI, ~1 min
+    python -m perf.answers.bench_oracle_quality --quick                                    # CI, ~1 min
 
 Why a second quality benchmark beside ``bench_blend.py``: it measures what the semantics cost, not
 what graphchunk's serving path computes (``tests/`` check that those agree), and so it can measure
@@ -52,10 +52,10 @@ from pathlib import Path
 
 import numpy as np
 
-import harness as H
-from blend_metrics import BOOTSTRAP, FULL_KL_TOL, bootstrap, kl_steps, paired_deltas
-from blend_task import SYS_TEXT
-from rag_tasks import build_tasks, encode, parse_docs, parse_families
+from perf.common import harness as H
+from perf.answers.blend_metrics import BOOTSTRAP, FULL_KL_TOL, bootstrap, kl_steps, paired_deltas
+from perf.answers.blend_task import SYS_TEXT
+from perf.answers.rag_tasks import build_tasks, encode, parse_docs, parse_families
 
 REPO = H.REPO
 DEFAULT_SETTINGS = ("full,isolated,ape:0.9:0.9,ape:0.8:0.8,ape:1:0.7,ape-prefix:0.9:0.9,ape-prefix:0.8:0.8,"

@@ -1,7 +1,7 @@
 """A graphchunk worker that makes pool entries bad while it serves: the aborts soak's fill failures.
 
-    PYTHONPATH=perf GRAPHCHUNK_SOAK_FAIL_EVERY=50 \
-        vllm serve MODEL --worker-cls soak_fill_faults.FaultyRunner ...
+    PYTHONPATH=. GRAPHCHUNK_SOAK_FAIL_EVERY=50 \
+        vllm serve MODEL --worker-cls perf.soak.fill_faults.FaultyRunner ...
 
 ``FaultyRunner`` is graphchunk's worker (``graphchunk.Runner``; graphchunk serves a subclass of it
 as its own), except that on every ``$GRAPHCHUNK_SOAK_FAIL_EVERY``-th step that copies context
@@ -13,7 +13,7 @@ its check, the request copying it fails through vLLM's KV-load-failure path and 
 back, the entry leaves the pool's index (``entries_failed``) and the next request computes it
 again; a job that reads it poisons its own entry the same way. Injections stop once the file
 ``$GRAPHCHUNK_SOAK_FAULTS_OFF`` names exists. Each logs ``INJECTED`` with its epoch; the soak
-(``soak_pressure.py --fail-fill-every``) counts them in the server log.
+(``pressure.py --fail-fill-every``) counts them in the server log.
 """
 from __future__ import annotations
 

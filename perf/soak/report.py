@@ -1,4 +1,4 @@
-"""The soak's result: the JSON that ``perf/soak.py`` writes, and the invariants that pass or fail it.
+"""The soak's result: the JSON that ``perf/soak/soak.py`` writes, and the invariants that pass or fail it.
 
 ``result(run, ...)`` reads what a finished ``soak.Soak`` recorded (its arguments, corpus and
 trace, its ``Servers``' per-incarnation /metrics, leak gauges and RSS, the faults, the tier
@@ -14,10 +14,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import harness as H
-from soak_client import Outcome
-from soak_server import COUNTERS, KV_USAGE, LEAK_GAUGES, delta
-from soak_trace import ACTIONS
+from perf.common import harness as H
+from perf.common.client import Outcome
+from perf.common.server import COUNTERS, KV_USAGE, LEAK_GAUGES, delta
+from perf.common.trace import ACTIONS
 
 
 def result(run, command: str, outcomes: list[Outcome], soak: dict, checks: dict, throughput: dict,

@@ -15,9 +15,9 @@ import argparse
 
 import pytest
 
-import bench_ttft as B
-import harness as H
-import ttft_workload as W
+from perf.serving import bench_ttft as B
+from perf.common import harness as H
+from perf.serving import ttft_workload as W
 
 CHUNKS, CHUNK_TOKENS, SYS_TOKENS, QUESTION_TOKENS = 4, 128, 32, 16
 ROUNDS, WARMUP = 5, 1

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from graphchunk.engine.frontend import TEMPERATURE_ARG
 
-from rag_tasks import FAMILIES as TASK_KINDS, Task, build_tasks, encode  # noqa: F401  (bench_blend's names)
+from perf.answers.rag_tasks import FAMILIES as TASK_KINDS, Task, build_tasks, encode  # noqa: F401  (bench_blend's names)
 
 DEFAULT_SETTINGS = ("vanilla,isolated:1,isolated:0.85,isolated:1.15,none,"
                     "cacheblend:0.05,cacheblend:0.15,cacheblend:0.3,question:0.05,question:0.15,question:0.3,"

@@ -1,7 +1,7 @@
 """What the fill check costs (``cache/context_run.py``: every copy from the pool compares its
 entry's blocks' epochs with the plan's), beside the copy it guards, measured in one run.
 
-    python perf/bench_fill_check.py [--chunks 8] [--chunk-tokens 200] [--out perf/results/fill_check.json]
+    python -m perf.micro.bench_fill_check [--chunks 8] [--chunk-tokens 200] [--out perf/results/fill_check.json]
 
 A fill of ``--chunks`` chunks of ``--chunk-tokens`` tokens behind a 64-token system prompt, as
 ``ContextRunner.copy`` runs it, over a KV cache shaped like SmolLM2-135M's (30 layers, 3 KV heads
@@ -22,11 +22,9 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from graphchunk.cache.context_plan import UnitCopy  # noqa: E402
-from graphchunk.cache.context_run import ContextRunner  # noqa: E402
-from graphchunk.metrics import CacheMetrics  # noqa: E402
+from graphchunk.cache.context_plan import UnitCopy
+from graphchunk.cache.context_run import ContextRunner
+from graphchunk.metrics import CacheMetrics
 
 LAYERS, HEADS, HEAD_SIZE, BLOCK = 30, 3, 64, 32
 
@@ -84,7 +82,7 @@ def main(argv=None) -> dict:
     result = {"chunks": args.chunks, "chunk_tokens": args.chunk_tokens, "blocks_checked": sum(len(u.entry_blocks) for u in units),
               "copy_with_check_ms": copy_s * 1e3, "check_us": check_s * 1e6, "check_share_of_fill": check_s / copy_s,
               "torch_threads": 1, "numpy": np.__version__, "torch": torch.__version__,
-              "command": " ".join(["perf/bench_fill_check.py", *(argv if argv is not None else sys.argv[1:])])}
+              "command": " ".join(["perf/micro/bench_fill_check.py", *(argv if argv is not None else sys.argv[1:])])}
     print(json.dumps(result, indent=1))
     if args.out:
         args.out.write_text(json.dumps(result, indent=1) + "\n")

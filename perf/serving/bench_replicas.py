@@ -1,7 +1,7 @@
 """Replicas benchmark: graphchunk servers behind vLLM's router, per routing policy, on the serving
 bench's RAG traces, measured by vLLM's own load generator.
 
-    python perf/bench_replicas.py [--policies round_robin,cache_aware,kv_aware] [--replicas 2]
+    python -m perf.serving.bench_replicas [--policies round_robin,cache_aware,kv_aware] [--replicas 2]
                                   [--mode isolated] [--concurrency 8] [--num-prompts 48]
                                   [--out perf/results/replicas.json] [--quick]
 
@@ -26,17 +26,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-PERF = Path(__file__).resolve().parent
-REPO = PERF.parent
-for path in (str(REPO), str(PERF)):
-    if path not in sys.path:
-        sys.path.insert(0, path)
-
-import bench_serve as B  # noqa: E402
-import harness as H  # noqa: E402
-import serve_trace as T  # noqa: E402
-from replicas import ROUTER_POLICIES, Replicas  # noqa: E402
-from soak_server import scrape, total  # noqa: E402
+from perf.serving import bench_serve as B
+from perf.common import harness as H
+from perf.serving import serve_trace as T
+from perf.serving.replicas import ROUTER_POLICIES, Replicas
+from perf.common.server import scrape, total
 
 COUNTED = ("graphchunk_lookups_total", "graphchunk_hits_total", "graphchunk_tier_hits_total",
            "graphchunk_misses_total", "vllm:request_success_total", "vllm:prefix_cache_hits_total",
@@ -136,7 +130,7 @@ def run_policy(args, model: Path, name: str, level, work: Path, log=print) -> tu
 
 def build_parser():
     p = B.build_parser()
-    p.prog = "perf/bench_replicas.py"
+    p.prog = "perf/serving/bench_replicas.py"
     p.description = __doc__.splitlines()[0]
     r = p.add_argument_group("replicas")
     r.add_argument("--policies", type=lambda text: text.split(","), default=["one", "round_robin", "cache_aware",
@@ -144,7 +138,7 @@ def build_parser():
                    help=f"'one' (a single server) and vllm-router policies: {', '.join(ROUTER_POLICIES)}")
     r.add_argument("--replicas", type=int, default=2)
     r.add_argument("--mode", default="isolated", choices=("isolated", "blend"))
-    p.set_defaults(concurrency=[8], num_prompts=[48], out=REPO / "perf/results/replicas.json", plot=None)
+    p.set_defaults(concurrency=[8], num_prompts=[48], out=H.REPO / "perf/results/replicas.json", plot=None)
     return p
 
 

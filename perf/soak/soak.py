@@ -1,6 +1,6 @@
 """Soak and faults: graphchunk behind vLLM's OpenAI server under concurrent RAG traffic.
 
-    python perf/soak.py [--model smollm2] [--requests 2000] [--concurrency 8] [--out perf/results/soak.json]
+    python -m perf.soak.soak [--model smollm2] [--requests 2000] [--concurrency 8] [--out perf/results/soak.json]
 
 One run, in this order:
 
@@ -45,12 +45,12 @@ Writes ``--out`` (JSON: the acceptance numbers, the raw numbers and the command)
 an invariant fails. The tier and the pool's leak gauges are required: a gauge the server does not
 export fails its invariant.
 
-This file runs the passes (``Soak``) and holds the command line; the roles it uses, each a module
-beside it (imported as top-level modules: perf/ is on ``sys.path``): ``soak_trace`` (corpus,
-trace, request encoder), ``soak_client`` (HTTP clients with their abort kinds, dispatcher),
-``soak_server`` (starting servers, /metrics, RSS, tier files), ``soak_faults`` (the planted tier
-faults and their canary requests), ``soak_check`` (the oracle comparison) and ``soak_report``
-(the result and its invariants); ``harness`` holds what every perf script shares.
+This file runs the passes (``Soak``) and holds the command line. The roles it uses: from
+``perf/common/`` (what the serving benches share too) ``trace`` (corpus, trace, request encoder),
+``client`` (HTTP clients with their abort kinds, dispatcher), ``server`` (starting servers,
+/metrics, RSS, tier files) and ``harness``; beside it ``faults`` (the planted tier faults and
+their canary requests), ``check`` (the oracle comparison) and ``report`` (the result and its
+invariants).
 """
 from __future__ import annotations
 
@@ -64,20 +64,14 @@ import tempfile
 import time
 from pathlib import Path
 
-PERF = Path(__file__).resolve().parent
-REPO = PERF.parent
-for path in (str(REPO), str(PERF)):
-    if path not in sys.path:
-        sys.path.insert(0, path)
-
-from graphchunk.tools.serve_demo import free_port  # noqa: E402
-import harness as H  # noqa: E402
-from soak_check import check  # noqa: E402
-from soak_client import Client, Dispatcher, Estimates, Outcome, client_threads, count_statuses  # noqa: E402
-from soak_faults import Faults  # noqa: E402
-from soak_report import result, throughput_comparison, throughput_summary  # noqa: E402
-from soak_server import Servers, tier_files  # noqa: E402
-from soak_trace import Encoder, Item, build_corpus, build_trace, working_set_tokens  # noqa: E402
+from graphchunk.tools.serve_demo import free_port
+from perf.common import harness as H
+from perf.soak.check import check
+from perf.common.client import Client, Dispatcher, Estimates, Outcome, client_threads, count_statuses
+from perf.soak.faults import Faults
+from perf.soak.report import result, throughput_comparison, throughput_summary
+from perf.common.server import Servers, tier_files
+from perf.common.trace import Encoder, Item, build_corpus, build_trace, working_set_tokens
 
 
 class Soak:
@@ -133,7 +127,7 @@ class Soak:
         finally:
             client.close()
 
-    # --- faults and final checks (soak_faults.Faults plants them) ---------------------------------
+    # --- faults and final checks (perf.soak.faults.Faults plants them) ---------------------------------
 
     def final_checks(self) -> dict:
         """After the traffic: canary once more (the live corruption), a new request, health."""
@@ -247,7 +241,7 @@ class Soak:
         return throughput_summary(kind, len(items), outcomes, wall, m0, m1)
 
     def run(self, command: str) -> dict:
-        """All passes; the result (``soak_report.result``)."""
+        """All passes; the result (``perf.soak.report.result``)."""
         a = self.args
         started = time.monotonic()
         self.log(f"[soak] {len(self.trace)} requests over {len(self.corpus.docs)} documents, working set "
@@ -271,7 +265,7 @@ class Soak:
 # --- CLI ----------------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="perf/soak.py", description=__doc__.splitlines()[0],
+    p = argparse.ArgumentParser(prog="perf/soak/soak.py", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("model and server")
     g.add_argument("--model", default="smollm2", help="smollm2, tiny-llama3 (tiny-qwen2, tiny-qwen3) or a path")
@@ -317,7 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--rss-interval", type=float, default=1.0)
     f.add_argument("--throughput-requests", type=int, default=400, help="0: no throughput comparison")
     f.add_argument("--throughput-concurrency", type=int, default=0, help="0: --concurrency")
-    p.add_argument("--out", type=Path, default=REPO / "perf/results/soak.json")
+    p.add_argument("--out", type=Path, default=H.REPO / "perf/results/soak.json")
     return p
 
 

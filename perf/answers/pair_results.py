@@ -1,6 +1,6 @@
 """Paired differences between rows of two ``bench_blend.py`` results on the same prompts.
 
-    python perf/pair_results.py BASE.json "LABEL" OTHER.json "LABEL" [...] --out perf/results/X.json
+    python -m perf.answers.pair_results BASE.json "LABEL" OTHER.json "LABEL" [...] --out perf/results/X.json
 
 A setting's quality is a deterministic function of the engine and the prompt, so two runs over the
 same prompts (same seed and sizes: the tasks, the prompts' token counts and vanilla's continuation
@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from blend_metrics import paired_deltas
+from perf.answers.blend_metrics import paired_deltas
 
 
 def row_of(result: dict, label: str, path: str) -> dict:
@@ -58,7 +58,7 @@ def main(argv=None) -> int:
         print(f"{label:>20} ({path}): KL {r['kl']:.3f} {r['kl_delta']:+.3f} [{r['kl_delta_ci'][0]:+.3f}, "
               f"{r['kl_delta_ci'][1]:+.3f}]  exact match {r['exact_match']:.2f} {r['exact_match_delta']:+.2f} "
               f"[{r['exact_match_delta_ci'][0]:+.2f}, {r['exact_match_delta_ci'][1]:+.2f}]")
-    out = {"command": "python perf/pair_results.py " + " ".join(f'"{a}"' if " " in a else a for a in sys.argv[1:]),
+    out = {"command": "python -m perf.answers.pair_results " + " ".join(f'"{a}"' if " " in a else a for a in sys.argv[1:]),
            "base": {"file": base_path, "label": base_label, "kl": base["kl"], "exact_match": base["exact_match"]},
            "rows": rows, "definitions": {"kl_delta": "per prompt, the row's KL over vanilla's continuation minus the "
                                          "base row's; mean with a 95 % bootstrap interval (2000 resamples, seed 0)",

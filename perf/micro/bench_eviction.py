@@ -1,8 +1,8 @@
 """Chunk hit rate and recomputed tokens of every eviction policy on synthetic RAG traces.
 
-    python perf/bench_eviction.py                       # the committed results, ~1 min (one core)
-    python perf/bench_eviction.py --quick               # smoke run, seconds
-    python perf/bench_eviction.py --replot              # the plot again from the result file
+    python -m perf.micro.bench_eviction                       # the committed results, ~1 min (one core)
+    python -m perf.micro.bench_eviction --quick               # smoke run, seconds
+    python -m perf.micro.bench_eviction --replot              # the plot again from the result file
 
 Drives graphchunk's real ``ChunkPool`` (``graphchunk/cache/pool.py``) with each policy of
 ``graphchunk/cache/eviction.py`` on the same trace, no model involved.
@@ -47,7 +47,7 @@ import numpy as np
 from graphchunk.cache.eviction import Belady
 from graphchunk.cache.pool import ChunkPool, PoolExhausted
 
-import harness as H
+from perf.common import harness as H
 
 POLICIES = ("lru", "lfu", "gdsf", "gdsf-cost1", "belady")
 NOTE_OBJECTIVE = ("The default policy is chosen on recomputed tokens (the prefill a miss costs); chunk hit rate "

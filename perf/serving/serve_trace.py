@@ -17,7 +17,7 @@ there because vLLM's custom loader requires the column; the shim in ``bench_serv
 ``messages`` and ``documents``. Completion rows: ``{"prompt": "sys ## doc ## ... ## question"}``,
 the same text for every kind (graphchunk splits at the separators), sent as is.
 
-Corpus, system prompts and popularity weights come from ``soak_trace`` (the soak's). Deterministic:
+Corpus, system prompts and popularity weights come from ``perf.common.trace`` (the soak's). Deterministic:
 the same tokenizer, arguments and seed give the same rows.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from soak_trace import SEP, SYSTEMS, build_corpus, zipf_weights
+from perf.common.trace import SEP, SYSTEMS, build_corpus, zipf_weights
 
 from graphchunk.cache.pool import cdiv
 

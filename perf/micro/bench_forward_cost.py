@@ -2,7 +2,7 @@
 pass and recompute run as separate small forwards beside vLLM's; is their cost per forward or per
 token?), measured inside a real engine's worker on the paths graphchunk uses.
 
-    python perf/bench_forward_cost.py [--model smollm2] [--tokens 1,4,16,64,256] [--repeats 5]
+    python -m perf.micro.bench_forward_cost [--model smollm2] [--tokens 1,4,16,64,256] [--repeats 5]
                                       [--out perf/results/forward_cost.json]
 
 One GraphChunkLLM (vLLM's compilation on, as users run it). In its worker, between steps, over
@@ -35,13 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-PERF = Path(__file__).resolve().parent
-REPO = PERF.parent
-for path in (str(REPO), str(PERF)):
-    if path not in sys.path:
-        sys.path.insert(0, path)
-
-import harness as H  # noqa: E402
+from perf.common import harness as H
 
 
 def measure_in_worker(worker, tokens: list[int], context: int, repeats: int, split: int) -> dict:
@@ -141,7 +135,7 @@ def fit(points: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="perf/bench_forward_cost.py", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="perf/micro/bench_forward_cost.py", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--tokens", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16, 64, 256])
@@ -149,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--split", type=int, default=4, help="sequences of the split comparison")
     parser.add_argument("--enforce-eager", action="store_true")
-    parser.add_argument("--out", type=Path, default=REPO / "perf/results/forward_cost.json")
+    parser.add_argument("--out", type=Path, default=H.REPO / "perf/results/forward_cost.json")
     args = H.parse_with_quick(parser, argv, dict(model="tiny-llama3", tokens=[1, 8, 32], context=64, repeats=2,
                                                  out=Path(tempfile.gettempdir()) / "forward_cost_quick.json"))
     H.script_env()

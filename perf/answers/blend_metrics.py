@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-import harness as H
-from blend_task import TASK_KINDS
+from perf.common import harness as H
+from perf.answers.blend_task import TASK_KINDS
 
 FULL_KL_TOL = 1e-4
 """cacheblend r=1 (and vanilla against itself) must match vanilla: mean KL over the continuation at

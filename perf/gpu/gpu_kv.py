@@ -24,7 +24,7 @@ their ratio; ``probe_ms``; a step's host-side plan for 8 isolated-mode requests 
 and the workers' fills, forwards and copies left out), cold (64 misses) and warm (hits).
 
 It imports neither vLLM nor a graphchunk module that does (``tests/test_gpu_kv.py`` runs it with
-``vllm`` unimportable). ``python perf/gpu_kv.py --quick``: CPU, CI sizes, seconds; without
+``vllm`` unimportable). ``python perf/gpu/gpu_kv.py --quick``: CPU, CI sizes, seconds; without
 ``--quick``: CPU sizes, float32; ``--device cuda``: a lent GPU, bfloat16 by default. Writes JSON
 to ``perf/results/gpu_kv.json`` (``--out``): device name, torch version, dtype, sizes, every
 check, bandwidths, plan times. Exit status 1 when any check fails.
@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # a lent machine runs a plain checkout: graphchunk is not installed there
 
 

@@ -21,9 +21,9 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from soak_client import Outcome
-from soak_server import Servers, delta, flip_payload_bytes, read_or_none, tier_files, truncate_file
-from soak_trace import CANARY_SYS, Item
+from perf.common.client import Outcome
+from perf.common.server import Servers, delta, flip_payload_bytes, read_or_none, tier_files, truncate_file
+from perf.common.trace import CANARY_SYS, Item
 
 
 class Faults:

@@ -16,8 +16,8 @@ import functools
 import random
 import time
 
-from soak_client import Outcome
-from soak_trace import Encoder, Item
+from perf.common.client import Outcome
+from perf.common.trace import Encoder, Item
 
 
 def check(outcomes: list[Outcome], extra_outcomes: list[Outcome], restart_at: int, encoder: Encoder,

@@ -18,10 +18,10 @@ import numpy as np
 
 from graphchunk.metrics import COUNTERS  # every counter graphchunk exports
 
-import harness as H
-from blend_metrics import kl_steps, step_logprobs
-from blend_task import NONCE_SYS, SYS_TEXT, Setting, Task, build_tasks, prompt_sizes, salt_of
-from rag_tasks import parse_docs
+from perf.common import harness as H
+from perf.answers.blend_metrics import kl_steps, step_logprobs
+from perf.answers.blend_task import NONCE_SYS, SYS_TEXT, Setting, Task, build_tasks, prompt_sizes, salt_of
+from perf.answers.rag_tasks import parse_docs
 
 
 # --- engine ---------------------------------------------------------------------------------------
@@ -30,7 +30,7 @@ def engine_kwargs(args, model_path: str, max_prompt: int) -> tuple[dict, dict, l
     """(``vllm.LLM`` keyword arguments, model included; graphchunk's settings; notes)."""
     from vllm.utils.math_utils import cdiv, round_up
 
-    from force_tokens import ForceTokens
+    from perf.answers.force_tokens import ForceTokens
 
     kv_per_token = H.kv_bytes_per_token(model_path, "float32")
     bs, n, max_docs = args.block_size, len(args.settings), parse_docs(args.docs)[1]
@@ -325,7 +325,7 @@ def run(args, log) -> dict:
         del llm
     return dict(tasks=tasks, per=bench.per, reference=bench.reference, startup_s=startup, failures=bench.failures,
                 broken=bench.broken, per_prompt_s=per_prompt_s, quality_batches=bench.quality_stats,
-                engine=dict(llm_kwargs=recorded, logits_processors=["force_tokens:ForceTokens"], graphchunk=gc_cfg,
+                engine=dict(llm_kwargs=recorded, logits_processors=["perf.answers.force_tokens:ForceTokens"], graphchunk=gc_cfg,
                             notes=notes, model=model_path),
                 final_stats=final_stats, prompt_tokens=prompt_lens, doc_tokens=doc_lens, precomputed=precomputed)
 

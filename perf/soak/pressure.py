@@ -1,10 +1,10 @@
 """Soak under pool pressure: graphchunk's server with a chunk pool of about two requests' contexts,
 every completed answer checked token for token.
 
-    python perf/soak_pressure.py --mode isolated|blend-full|both [--model smollm2] [--requests 500] \
+    python -m perf.soak.pressure --mode isolated|blend-full|both [--model smollm2] [--requests 500] \
         [--concurrency 8] [--out perf/results/soak_pressure.json]
 
-For each mode one graphchunk server (``vllm serve`` through the soak's ``soak_server.Servers``):
+For each mode one graphchunk server (``vllm serve`` through the soak's ``perf.common.server.Servers``):
 ``isolated`` runs ``"mode": "isolated"``, ``blend-full`` runs ``"mode": "blend"`` with
 ``"recompute_ratio": 1.0`` (every chunk token recomputed: full prefill). No persistent tier, so
 an evicted entry is computed again. The chunk pool holds about ``--pool-contexts`` (2) of the
@@ -18,7 +18,7 @@ running requests can run vLLM out of blocks);
 ``--max-num-batched-tokens`` is small, so prompts prefill over several steps.
 
 Trace (seeded, the same for both modes): ``--combos`` (sys prompt, document set) combinations
-drawn from the soak's corpus (``soak_trace.build_corpus``: CPython help-topic text), each with
+drawn from the soak's corpus (``perf.common.trace.build_corpus``: CPython help-topic text), each with
 ``--questions-per-combo`` questions; every request body picks a combination and question and
 reorders the documents at random. Bodies are single prompts (token ids with explicit boundaries,
 ``vllm_xargs.graphchunk_boundaries``, or ``sys ## doc ## ... ## question`` text, whose
@@ -28,13 +28,13 @@ per body, so a batch of token ids shares one document order (same boundaries: th
 in their questions), a batch of text prompts mixes combinations and orders. ``--salt-fraction``
 of the bodies carry a tenant ``cache_salt`` (it changes no answer, only which chunk entries a
 request may use). Client disconnects at small rates (the soak's abort kinds: ``abort_stream``,
-``abort_prefill``, ``abort_nostream``, ``soak_client.Client``), and at ``--abort-misses`` a body of
+``abort_prefill``, ``abort_nostream``, ``perf.common.client.Client``), and at ``--abort-misses`` a body of
 documents no other request carries (all misses), streamed and closed within
 ``--abort-misses-window`` seconds of the headers, while its misses are computed (a small
 ``--miss-budget`` spreads them over several steps); graphchunk counts the ones that left while
 waiting for an asynchronous load (``loads_dropped``). Greedy, ``ignore_eos``, ``--max-tokens``.
 
-Fill failures (``--fail-fill-every N``): the server runs ``soak_fill_faults.FaultyRunner``, which
+Fill failures (``--fail-fill-every N``): the server runs ``perf.soak.fill_faults.FaultyRunner``, which
 poisons one pool entry on every Nth step that copies from the pool (until the traffic ends): the
 request copying it must fail (vLLM's KV-load-failure path, an HTTP error) and give its blocks
 back, and the entry must leave the pool's index (``entries_failed``). The report attributes every
@@ -62,15 +62,15 @@ when idle, nothing left waiting, evictions > 0, the server alive and correct aft
 no error line in its log before its shutdown but the injections') and exits 1 unless every mode
 passed. vLLM's preemptions are counted, not required (a few per hundred bodies at the defaults).
 
-Reuses the soak's modules (perf/ on ``sys.path``): ``soak_trace`` (corpus, ``Item``, ``Encoder``),
-``soak_client`` (``Client`` and its abort kinds, ``Dispatcher``, ``client_threads``),
-``soak_server`` (``Servers``, ``server_flags``, /metrics), ``soak_check`` (a prompt's ids and
-layout as the server saw it); ``harness`` for what every perf script shares.
+This file runs the modes (``PressureSoak``) and holds the command line; beside it
+``pressure_trace`` (the bodies, their encoder and client) and ``pressure_check`` (log scans, HF
+references); from ``perf/common/`` ``trace`` (corpus, ``Item``, ``Encoder``), ``client``
+(``Client`` and its abort kinds, ``Dispatcher``, ``client_threads``), ``server`` (``Servers``,
+``server_flags``, /metrics) and ``harness``.
 """
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
 import random
@@ -78,170 +78,24 @@ import re
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, replace
 from pathlib import Path
 
-PERF = Path(__file__).resolve().parent
-REPO = PERF.parent
-for path in (str(REPO), str(PERF)):
-    if path not in sys.path:
-        sys.path.insert(0, path)
-
-from graphchunk.tools.serve_demo import free_port  # noqa: E402
-import harness as H  # noqa: E402
-from soak_check import _prompt  # noqa: E402
-from soak_client import Client, Dispatcher, Estimates, Outcome, client_threads, count_statuses  # noqa: E402
-from graphchunk.cache.context_run import POISONED  # noqa: E402
-from soak_fill_faults import EVERY_ENV, INJECTED, OFF_ENV, SEED_ENV  # noqa: E402
-from soak_server import KV_USAGE, LEAK_GAUGES, Servers  # noqa: E402
-from soak_trace import ACTIONS, Encoder, Item, build_corpus, draw_action  # noqa: E402
+from graphchunk.tools.serve_demo import free_port
+from perf.common import harness as H
+from perf.common.client import Dispatcher, Estimates, Outcome, client_threads, count_statuses
+from perf.common.server import KV_USAGE, LEAK_GAUGES, Servers
+from perf.common.trace import Item, build_corpus
+from perf.soak.fill_faults import EVERY_ENV, OFF_ENV, SEED_ENV
+from perf.soak.pressure_check import References, error_lines, fill_faults
+from perf.soak.pressure_trace import (PRESSURE_ACTIONS, Body, BodyClient, BodyEncoder, build_combos, build_trace,
+                                      fresh_docs)
 
 MODES = ("isolated", "blend-full")
-PRESSURE_ACTIONS = (*ACTIONS, "abort_misses")
-"""The soak's client actions, and ``abort_misses``: a prompt of documents no other request carries
-(all misses), streamed and closed while it waits for them (``BodyClient.abort_misses``)."""
-SALTS = ("tenant-a", "tenant-b")
 COUNTERS = ("lookups", "hits", "misses", "evictions", "tokens_reused", "tokens_computed", "blend_lookups",
             "blend_hits", "blend_misses", "blend_tokens_reused", "blend_tokens_recomputed")
-ERROR_LINE = re.compile(r"\b(ERROR|CRITICAL|Traceback|Exception|EngineDeadError|AssertionError)\b")
-FILL_FAILED = re.compile(r"a context fill would copy pool blocks .*? \(epochs (\[[^\]]*\]), found (\[.*\])\); the request")
-"""graphchunk's error line for a copy that failed its check (``ContextRunner._check``)."""
-FAULT_LINES = re.compile(r"a context fill would copy pool blocks|reads pool blocks .* that no longer hold|"
-                         r"Failing \d+ request\(s\) due to KV load failure")
-"""The error lines an injected fill failure causes: graphchunk's, and vLLM's engine failing the request."""
-KV_LOAD_FAILED = re.compile(r"Failing (\d+) request\(s\) due to KV load failure")
-REQUEST_FAILED = re.compile(r"Request \S+ failed with an internal error during generation")
-"""vLLM's API server's line for each request its engine failed (one per failed request, at most)."""
 
 
-# --- trace --------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Body(Item):
-    """One request body: ``prompts`` (one, or a batch), each a soak ``Item`` (its fields sys, docs,
-    question, as_ids); the body's own sys / docs / question are its first prompt's."""
-    prompts: tuple[Item, ...] = ()
-    salt: str | None = None
-    batch: str = ""
-    """'' (a single prompt), 'ids' (token ids sharing one layout) or 'text' (separator text)."""
-    combos: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True)
-class Combo:
-    sys: str
-    doc_ids: tuple[int, ...]
-    questions: tuple[str, ...]
-
-
-def fresh_docs(args) -> int:
-    """Documents kept apart for ``abort_misses`` prompts, each carried once (the corpus's last):
-    enough for the bodies the rate draws on average, and 4 more (a body draws ``abort_prefill``
-    instead once they run out: the corpus holds a few hundred documents)."""
-    return (int(args.requests * args.abort_misses) + 4) * args.docs_per_request[1] if args.abort_misses else 0
-
-
-def build_combos(corpus, args, rng: random.Random) -> list[Combo]:
-    combos = []
-    shared = len(corpus.docs) - fresh_docs(args)
-    for _ in range(args.combos):
-        k = rng.randint(*args.docs_per_request)
-        docs = tuple(rng.sample(range(shared), k))
-        combos.append(Combo(rng.choice(corpus.systems), docs,
-                            tuple(rng.sample(corpus.questions, args.questions_per_combo))))
-    return combos
-
-
-def build_trace(corpus, combos: list[Combo], args, rng: random.Random) -> list[Body]:
-    def prompt(c: int, order: list[int] | None = None, question: str | None = None, as_ids: bool = True) -> Item:
-        combo = combos[c]
-        order = order if order is not None else rng.sample(combo.doc_ids, len(combo.doc_ids))
-        return Item(0, combo.sys, tuple(corpus.docs[d] for d in order), question or rng.choice(combo.questions),
-                    as_ids, doc_ids=tuple(order))
-
-    rates = {"abort_stream": args.abort_stream, "abort_prefill": args.abort_prefill,
-             "abort_nostream": args.abort_nostream, "abort_misses": args.abort_misses}
-    fresh = list(range(len(corpus.docs) - fresh_docs(args), len(corpus.docs)))
-    bodies = []
-    for index in range(args.requests):
-        action = draw_action(rng, rates)
-        if action == "abort_misses" and len(fresh) >= args.docs_per_request[1]:
-            order = tuple(fresh.pop() for _ in range(rng.randint(*args.docs_per_request)))
-            p = Item(0, rng.choice(corpus.systems), tuple(corpus.docs[d] for d in order), rng.choice(corpus.questions),
-                     True, doc_ids=order)
-            bodies.append(Body(index, p.sys, p.docs, p.question, True, action, rng.random(), order, prompts=(p,),
-                               combos=(-1,)))
-            continue
-        action = "abort_prefill" if action == "abort_misses" else action
-        c = rng.randrange(len(combos))
-        if rng.random() < args.batch_fraction:
-            size = rng.randint(2, 4)
-            if rng.random() < 0.5:  # one document order, several questions: one set of boundaries
-                first = prompt(c)
-                prompts = [first] + [replace(first, question=rng.choice(combos[c].questions)) for _ in range(size - 1)]
-                kind, used = "ids", (c,) * size
-            else:
-                used = (c, *(rng.randrange(len(combos)) for _ in range(size - 1)))
-                prompts, kind = [prompt(u, as_ids=False) for u in used], "text"
-        else:
-            prompts, kind, used = [prompt(c, as_ids=rng.random() < args.ids_fraction)], "", (c,)
-        salt = rng.choice(SALTS) if rng.random() < args.salt_fraction else None
-        first = prompts[0]
-        bodies.append(Body(index, first.sys, first.docs, first.question, first.as_ids, action, rng.random(),
-                           first.doc_ids, prompts=tuple(prompts), salt=salt, batch=kind, combos=used))
-    return bodies
-
-
-class BodyEncoder(Encoder):
-    """The soak's encoder for bodies of one or several prompts, with a tenant salt."""
-
-    def body(self, item: Body, stream: bool) -> dict:
-        body = {"model": self.model, "temperature": 0, "max_tokens": self.max_tokens, "ignore_eos": True,
-                "return_token_ids": True, "stream": stream}
-        if item.prompts[0].as_ids:
-            encoded = [self.ids(p) for p in item.prompts]
-            if any(b != encoded[0][1] for _, b in encoded):
-                raise ValueError("a batch of token-id prompts must share its boundaries (one vllm_xargs per body)")
-            prompts = [ids for ids, _ in encoded]
-            body["vllm_xargs"] = {"graphchunk_boundaries": encoded[0][1]}
-        else:
-            prompts = [self.text(p) for p in item.prompts]
-        body["prompt"] = prompts if len(prompts) > 1 else prompts[0]
-        if item.salt is not None:
-            body["cache_salt"] = item.salt
-        return body
-
-
-class BodyClient(Client):
-    """The soak's client, reading every choice of a completed body (``Outcome.choices``: its
-    prompts' (prompt token ids, generated token ids), in prompt order)."""
-
-    def complete(self, item: Body, out: Outcome) -> None:
-        body = self.post(item, out)
-        if body is None:
-            return
-        choices = sorted(body["choices"], key=lambda c: c["index"])
-        out.choices = [(c.get("prompt_token_ids"), c.get("token_ids")) for c in choices]
-        if len(out.choices) != len(item.prompts):
-            out.error = f"{len(out.choices)} choices for {len(item.prompts)} prompts"
-            return
-        out.prompt_ids, out.token_ids = out.choices[0]
-        out.completion_tokens = body.get("usage", {}).get("completion_tokens", 0)
-        out.status = "ok"
-        self.estimates.add("latency", time.monotonic() - out.start)
-        self.close()
-
-    miss_window = 2.0
-    """abort_misses: seconds after the response headers within which the client closes (its
-    ``delay`` share of them), while the request's misses are computed (``--abort-misses-window``)."""
-
-    def abort_misses(self, item: Body, out: Outcome) -> None:
-        self._streamed(item, out, item.delay * self.miss_window)
-        if out.status == "aborted" and out.kind == "abort_prefill":
-            out.kind = "abort_misses"
-
-
-# --- servers ------------------------------------------------------------------------------------
+# --- servers ----------------------------------------------------------------------------------
 
 def mode_settings(mode: str, args, pool_tokens: int, max_chunk_len: int) -> dict:
     gc = {"pool_tokens": pool_tokens, "max_chunks": max(8, args.docs_per_request[1]), "max_chunk_len": max_chunk_len}
@@ -254,130 +108,6 @@ def mode_settings(mode: str, args, pool_tokens: int, max_chunk_len: int) -> dict
     if args.eviction:
         gc["eviction"] = args.eviction
     return gc
-
-
-def error_lines(log_path: str, faults: bool, limit: int = 40) -> dict:
-    """The server log's lines that look like errors, before its shutdown began (count and the first
-    ``limit``) and after (vLLM's own SIGTERM teardown logs an EngineDeadError traceback: counted
-    apart); with ``faults`` (fill failures injected) the lines they cause are counted apart too."""
-    try:
-        lines = Path(log_path).read_text(errors="replace").splitlines()
-    except OSError:
-        return {"count": None, "lines": [], "at_shutdown": None, "from_injected_faults": None}
-    end = next((i for i, line in enumerate(lines) if "[shutdown]" in line), len(lines))
-    found = [line for line in lines[:end] if ERROR_LINE.search(line)]
-    expected = [line for line in found if faults and FAULT_LINES.search(line)]
-    # As many API-server lines as the engine failed requests for a KV load failure are theirs.
-    failed = sum(int(n) for line in expected for n in KV_LOAD_FAILED.findall(line))
-    expected += [line for line in found if REQUEST_FAILED.search(line)][:failed]
-    found = [line for line in found if line not in expected]
-    return {"count": len(found), "lines": found[:limit], "from_injected_faults": len(expected),
-            "at_shutdown": sum(bool(ERROR_LINE.search(line)) for line in lines[end:])}
-
-
-def fill_faults(log_text: str) -> dict:
-    """The injected fill failures the server log shows: entries poisoned (``soak_fill_faults``),
-    copies that failed their check and whether each found only poisoned blocks (an injection's,
-    directly or through a job that read one: explained) or anything else (a real lifetime bug)."""
-    injected = len(re.findall(re.escape(INJECTED), log_text))
-    lines = FILL_FAILED.findall(log_text)
-    failed = [json.loads(found) for _, found in lines]
-    explained = sum(all(e == POISONED for unit in found for e in unit) for found in failed)
-    per_epoch = collections.Counter(e for planned, _ in lines for e in json.loads(planned))
-    return {"injected": injected, "copies_failed": len(failed), "copies_failed_unexplained": len(failed) - explained,
-            "entries_read_poisoned": len(per_epoch), "most_copies_failed_per_entry": max(per_epoch.values(), default=0),
-            "jobs_poisoned": len(re.findall(r"reads pool blocks .* that no longer hold", log_text))}
-
-
-# --- references ---------------------------------------------------------------------------------
-
-class References:
-    """HF references in fp32, each computed once: isolated per (sys, chunks as a set, question),
-    full prefill per token sequence."""
-
-    def __init__(self, model_path, encoder: Encoder, max_tokens: int, tie_tol: float):
-        import torch
-
-        from graphchunk.reference.oracle import Oracle
-        from graphchunk.segments import SeparatorSplitter
-
-        self.oracle = Oracle(model_path, dtype=torch.float32)
-        # generate() and causal_generate() read the last position's logits only: skip the
-        # vocabulary projection of every prompt token (``Oracle._forward`` passes
-        # logits_to_keep=0 for "all", which is raised to 1 here; a partial would be overridden).
-        forward = self.oracle.model.forward
-        self.oracle.model.forward = lambda *a, **k: forward(*a, **{**k, "logits_to_keep": k.get("logits_to_keep") or 1})
-        self.encoder = encoder
-        self.splitter = SeparatorSplitter(encoder.tokenizer, "##", max_chunks=64, max_chunk_len=1 << 20)
-        self.max_tokens, self.tie_tol = max_tokens, tie_tol
-        self.isolated_cache: dict = {}
-        self.full_cache: dict = {}
-        self.seconds = 0.0
-        self.computed = {"isolated": 0, "full": 0, "own_order": 0, "tie": 0}
-        """Reference generations run (isolated, full prefill; isolated again in a prompt's own
-        order after a mismatch; the isolated logits at a first difference)."""
-
-    def expected(self, item: Item):
-        """(prompt ids, layout) as the server saw ``item``."""
-        return _prompt(self.encoder, self.splitter, item)
-
-    def verdict(self, mode: str, item: Item, prompt_ids, got: list[int] | None) -> dict:
-        started = time.monotonic()
-        try:
-            ids, layout = self.expected(item)
-            if prompt_ids is not None and list(prompt_ids) != list(ids):
-                return {"verdict": "wrong", "why": "the server saw another prompt"}
-            got = list(got or [])
-            if mode == "isolated":
-                return self._isolated(ids, layout, got)
-            return self._full(ids, got)
-        finally:
-            self.seconds += time.monotonic() - started
-
-    def _isolated(self, ids, layout, got) -> dict:
-        starts = layout.chunk_starts()
-        key = (tuple(ids[:layout.sys_len]), tuple(sorted(tuple(ids[s:s + n]) for s, n in zip(starts, layout.chunk_lens))),
-               tuple(ids[layout.context_len:]))
-        ref = self.isolated_cache.get(key)
-        if ref is None:
-            ref = self.isolated_cache[key] = self.oracle.generate(list(ids), layout, self.max_tokens,
-                                                                  ignore_eos=True).tokens
-            self.computed["isolated"] += 1
-        if got == ref:
-            return {"verdict": "equal"}
-        # Cached from another document order: the oracle of this prompt's own order decides.
-        own = self.oracle.generate(list(ids), layout, self.max_tokens, ignore_eos=True).tokens
-        self.computed["own_order"] += 1
-        if got == own:
-            return {"verdict": "equal", "order_noise": True}
-        if len(got) != len(own):
-            return {"verdict": "wrong", "why": f"{len(got)} tokens, expected {len(own)}", "expected": own}
-        from graphchunk.layout import Layout
-
-        d = next(i for i, (x, y) in enumerate(zip(got, own)) if x != y)
-        longer = Layout(layout.sys_len, layout.chunk_lens, layout.question_len + d)
-        logp = self.oracle.generate(list(ids) + got[:d], longer, 1, ignore_eos=True).last_logits.log_softmax(-1)
-        self.computed["tie"] += 1
-        return self._gap(float(logp[own[d]] - logp[got[d]]), d, own)
-
-    def _full(self, ids, got) -> dict:
-        key = tuple(ids)
-        if key not in self.full_cache:
-            tokens, logprobs = self.oracle.causal_generate(list(ids), self.max_tokens)
-            self.full_cache[key] = (tokens, logprobs)
-            self.computed["full"] += 1
-        ref, logprobs = self.full_cache[key]
-        if got == ref:
-            return {"verdict": "equal"}
-        if len(got) != len(ref):
-            return {"verdict": "wrong", "why": f"{len(got)} tokens, expected {len(ref)}", "expected": ref}
-        d = next(i for i, (x, y) in enumerate(zip(got, ref)) if x != y)
-        logp = logprobs[d]  # the same prefix up to d: the reference's distribution where they part
-        return self._gap(float(logp[ref[d]] - logp[got[d]]), d, ref)
-
-    def _gap(self, gap: float, d: int, ref: list[int]) -> dict:
-        return {"verdict": "tie" if gap <= self.tie_tol else "wrong", "gap": gap, "first_difference": d,
-                "expected": ref}
 
 
 # --- the run ------------------------------------------------------------------------------------
@@ -427,11 +157,11 @@ class PressureSoak:
         settings = mode_settings(mode, a, self.pool_tokens, self.max_chunk_len)
         worker, env = "graphchunk.Runner", None
         faults_off = self.log_dir / f"faults-off-{mode}"
-        if a.fail_fill_every > 0:  # graphchunk's worker that poisons pool entries (perf/ on the path)
-            worker = "soak_fill_faults.FaultyRunner"
+        if a.fail_fill_every > 0:  # graphchunk's worker that poisons pool entries (the repository on the path)
+            worker = "perf.soak.fill_faults.FaultyRunner"
             faults_off.unlink(missing_ok=True)
             env = {EVERY_ENV: str(a.fail_fill_every), SEED_ENV: str(a.seed), OFF_ENV: str(faults_off),
-                   "PYTHONPATH": os.pathsep.join(p for p in (str(PERF), os.environ.get("PYTHONPATH", "")) if p)}
+                   "PYTHONPATH": os.pathsep.join(p for p in (str(H.REPO), os.environ.get("PYTHONPATH", "")) if p)}
         self.servers.start(f"graphchunk-{mode}", worker, None, port, log_requests=True, settings=settings, env=env)
         server = self.servers.current
         estimates = Estimates()
@@ -665,7 +395,7 @@ SUMMARY = ("passed", "requests", "completed", "aborted", "errors", "wrong", "nea
 # --- CLI ----------------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="perf/soak_pressure.py", description=__doc__.splitlines()[0],
+    p = argparse.ArgumentParser(prog="perf/soak/pressure.py", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--mode", choices=(*MODES, "both"), default="both")
     g = p.add_argument_group("model and server")
@@ -710,11 +440,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="abort_misses: seconds after the headers within which the client closes")
     t.add_argument("--fail-fill-every", type=int, default=0,
                    help="every Nth step that copies from the pool poisons one entry it copies first "
-                        "(soak_fill_faults.FaultyRunner; 0: none)")
+                        "(perf.soak.fill_faults.FaultyRunner; 0: none)")
     t.add_argument("--max-tokens", type=int, default=8)
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--tie-tol", type=float, default=1e-3, help="reference logprob gap below which a difference is a tie")
-    p.add_argument("--out", type=Path, default=REPO / "perf/results/soak_pressure.json")
+    p.add_argument("--out", type=Path, default=H.REPO / "perf/results/soak_pressure.json")
     return p
 
 
