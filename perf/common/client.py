@@ -1,4 +1,5 @@
-"""The soak's clients: a raw-socket HTTP client with its abort kinds, and the dispatcher.
+"""The soaks' clients (``perf/soak``): a raw-socket HTTP client with its abort kinds, and the
+dispatcher.
 
 * ``Client.run(item, incarnation)`` sends one trace item to ``/v1/completions`` and returns an
   ``Outcome`` (never raises): ``complete`` reads the whole answer; ``abort_stream`` disconnects

@@ -1,4 +1,5 @@
-"""The server side of the soak: starting ``vllm serve``, and what is read or done on its side.
+"""The server side of the soaks and the serving benches: starting ``vllm serve``, and what is read
+or done on its side.
 
 * ``Servers``: the run's servers, one at a time (``current``, numbered by ``incarnation``):
   ``start`` (graphchunk's worker with the soak's settings and a tier directory, or vanilla vLLM

@@ -1,4 +1,5 @@
-"""The soak's workload: text, corpus, Zipf trace and the request encoder (no I/O beyond the tokenizer).
+"""The soaks' workload (``perf/soak``; ``perf/serving/serve_trace`` builds on it): text, corpus,
+Zipf trace and the request encoder (no I/O beyond the tokenizer).
 
 * ``build_corpus()``: documents, questions and the canaries' unused documents cut from
   CPython's help topics (``graphchunk.reference.text.help_paragraphs``, as the tests read them),
