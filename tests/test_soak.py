@@ -42,7 +42,7 @@ def result(tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("soak")
     argv = [*ARGV, "--log-dir", str(log_dir), "--out", str(log_dir / "soak.json")]
     args = soak.build_parser().parse_args(argv)
-    found = soak.Soak(args).run(shlex.join(["perf/soak/soak.py", *argv]))
+    found = soak.Soak(args).run(shlex.join(["python", "-m", "perf.soak.soak", *argv]))
     (log_dir / "soak.json").write_text(json.dumps(found, indent=1))
     print(json.dumps({k: v for k, v in found.items() if k not in ("memory", "per_server", "config")}, indent=1))
     return found

@@ -48,7 +48,7 @@ def result(tmp_path_factory):
     argv = [*ARGV, "--log-dir", str(log_dir), "--out", str(log_dir / "soak_pressure.json")]
     args = soak_pressure.build_parser().parse_args(argv)
     found = soak_pressure.PressureSoak(args).run(list(soak_pressure.MODES),
-                                                 shlex.join(["perf/soak/pressure.py", *argv]))
+                                                 shlex.join(["python", "-m", "perf.soak.pressure", *argv]))
     (log_dir / "soak_pressure.json").write_text(json.dumps(found, indent=1))
     print(json.dumps({mode: {k: r[k] for k in soak_pressure.SUMMARY} for mode, r in found["modes"].items()},
                      indent=1))

@@ -28,8 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-PERF = Path(__file__).resolve().parents[1]
-REPO = PERF.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 # --- process ------------------------------------------------------------------------------------

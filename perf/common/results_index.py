@@ -20,7 +20,8 @@ import shlex
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from perf.common.harness import REPO
+
 RESULTS = REPO / "perf" / "results"
 PAGE = REPO / "docs" / "benchmarks.md"
 BEGIN, END = "<!-- results-index:begin -->", "<!-- results-index:end -->"
@@ -107,9 +108,10 @@ def rows() -> list[tuple[str, list[str], str | None, str, list[str]]]:
     return sorted(out, key=lambda r: (order.index(r[0]), r[1][0]))
 
 
-def table() -> str:
+def table(found: list) -> str:
+    """The index as a Markdown table of ``rows()``' result."""
     lines = ["| question | files | command | cited in |", "|---|---|---|---|"]
-    for group, files, command, note, pages in rows():
+    for group, files, command, note, pages in found:
         cell = f"`{command}`".replace("|", "\\|") if command else ""
         cell = f"{cell} ({note})" if command and note else cell or note
         lines.append(f"| {group}: {QUESTIONS[group]} | {', '.join(f'`{f}`' for f in files)} | {cell} | "
@@ -117,27 +119,28 @@ def table() -> str:
     return "\n".join(lines)
 
 
-def render(page: str) -> str:
+def render(page: str, found: list | None = None) -> str:
+    """``page`` with its index replaced by the table of ``found`` (``rows()`` when not given)."""
     head, begin, rest = page.partition(BEGIN)
     _, end, tail = rest.partition(END)
     if not (begin and end):
         raise ValueError(f"{PAGE} lacks the markers {BEGIN} ... {END}")
-    return f"{head}{BEGIN}\n{table()}\n{END}{tail}"
+    return f"{head}{BEGIN}\n{table(rows() if found is None else found)}\n{END}{tail}"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="exit 1 when docs/benchmarks.md's table is not current")
     args = parser.parse_args(argv)
-    page = PAGE.read_text()
-    want = render(page)
+    page, found = PAGE.read_text(), rows()
+    want = render(page, found)
     if args.check:
         if want != page:
             print(f"{PAGE.relative_to(REPO)}: the results index is stale; run python -m perf.common.results_index")
             return 1
         return 0
     PAGE.write_text(want)
-    print(f"wrote the index of {len(rows())} results rows into {PAGE.relative_to(REPO)}")
+    print(f"wrote the index of {len(found)} results rows into {PAGE.relative_to(REPO)}")
     return 0
 
 
