@@ -1,8 +1,11 @@
 """CI-sized run of ``perf/answers/bench_blend.py`` (``--quick``): the benchmark that decides works end to end.
 
 One subprocess, as a user runs it: ``--quick`` (4 prompts, one of each task family: ``fact``,
-``paraphrase``, ``two_hop``, ``which_doc``; 3 documents of ~80 tokens, a 14-token continuation) with vanilla, isolated, blend none and cacheblend
-r=1, isolated at a key temperature and the question-aware policy, ``--enforce-eager`` (vLLM's compile would take longer than the run). Asserts that it exits 0
+``paraphrase``, ``two_hop``, ``which_doc``; 3 documents of ~80 tokens, a 14-token continuation)
+with vanilla, isolated, blend none, the question-aware policy and cacheblend r=1,
+``--enforce-eager`` (vLLM's compile would take longer than the run); each further setting costs
+~20 s, so the settings' refinements (key temperature, scoring depth) are checked as the
+extra_args they send. Asserts that it exits 0
 with its checks passed, that every setting has a row over every prompt with each metric and its 95 %
 bootstrap interval around it (overall and per task family), and that the exactness anchors hold:
 vanilla against itself and cacheblend r=1 against vanilla stay below ``FULL_KL_TOL``. Quality and
@@ -20,19 +23,18 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 from perf.answers.blend_metrics import FULL_KL_TOL, METRICS, paired
-from perf.answers.blend_task import TASK_KINDS
+from perf.answers.blend_task import TASK_KINDS, one_setting
 
 pytestmark = pytest.mark.slow
 
-SETTINGS = ["vanilla", "isolated", "isolated T=0.8", "blend none", "question r=0.3", "question r=0.3 L=2",
-            "cacheblend r=1"]
+SETTINGS = ["vanilla", "isolated", "blend none", "question r=0.3", "cacheblend r=1"]
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench_blend")
     cmd = [sys.executable, "-m", "perf.answers.bench_blend", "--quick", "--enforce-eager",
-           "--settings", "vanilla,isolated,isolated:0.8,none,question:0.3,question:0.3@2,cacheblend:1.0",
+           "--settings", "vanilla,isolated,none,question:0.3,cacheblend:1.0",
            "--baseline", "question:0.3", "--out", str(out / "blend.json"),
            "--plot", str(out / "blend.png")]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
@@ -108,7 +110,6 @@ def test_every_other_setting_is_paired_with_the_baseline(run):
         assert pair["baseline"] == "question r=0.3" and pair["n_prompts"] == result["config"]["prompts"], label
         expected = sum(a - b for a, b in zip(row["per_prompt"]["kl"], base["per_prompt"]["kl"])) / pair["n_prompts"]
         assert pair["kl_delta"] == pytest.approx(expected) and pair["kl_delta_ci"][0] <= expected <= pair["kl_delta_ci"][1]
-    assert rows["question r=0.3 L=2"]["extra_args"]["graphchunk_recompute_layers"] == 2
 
 
 def test_paired_differences_match_prompts_not_positions():
@@ -122,3 +123,14 @@ def test_paired_differences_match_prompts_not_positions():
     pair = rows[1]["vs_baseline"]
     assert pair["n_prompts"] == 2 and pair["kl_delta"] == pytest.approx(0.1) and pair["exact_match_delta"] == -0.5
     assert "vs_baseline" not in rows[0]
+
+
+def test_a_settings_refinements_are_the_extra_args_it_sends():
+    """A refined setting is its label and the engine's per-request extra_args (what a row records)."""
+    from graphchunk.engine.frontend import LAYERS_ARG, TEMPERATURE_ARG
+
+    hot = one_setting("isolated:0.8")
+    assert hot.label == "isolated T=0.8" and hot.extra == {"graphchunk_mode": "isolated", TEMPERATURE_ARG: 0.8}
+    shallow = one_setting("question:0.3@2")
+    assert shallow.label == "question r=0.3 L=2" and shallow.extra[LAYERS_ARG] == 2
+    assert shallow.extra["graphchunk_recompute_ratio"] == 0.3 and shallow.extra["graphchunk_recompute"] == "question"

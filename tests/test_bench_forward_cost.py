@@ -1,6 +1,8 @@
 """The forward-cost measurement end to end at its ``--quick`` size (``perf/micro/bench_forward_cost.py``):
 every path (compiled, plain, scoring pass, split and batched) timed inside a real engine's worker
-at every size, a line fitted per path, the borrowed pool blocks given back. No timing is asserted."""
+at every size, a line fitted per path, the borrowed pool blocks given back. No timing is asserted,
+so the engine runs ``--enforce-eager`` (vLLM's compile would take ~40 s of CI; the forward under
+vLLM's compilation is tests/test_compiled_forward.py's, on the session engine)."""
 from __future__ import annotations
 
 import json
@@ -17,7 +19,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 def test_quick_run_measures_every_path(tmp_path):
     out = tmp_path / "forward_cost.json"
-    done = subprocess.run([sys.executable, "-m", "perf.micro.bench_forward_cost", "--quick", "--out", str(out)],
+    done = subprocess.run([sys.executable, "-m", "perf.micro.bench_forward_cost", "--quick", "--enforce-eager", "--out", str(out)],
                           cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and out.exists(), done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads(out.read_text())

@@ -1,12 +1,12 @@
 """The serving benchmark end to end at its ``--quick`` size (``perf/serving/bench_serve.py``).
 
 vLLM's own ``vllm bench serve`` (through the benchmark's shim) against vanilla vLLM and graphchunk's
-isolated and blend servers on the tiny Llama checkpoint, concurrency 1 and 2, a few requests a
-pass, eager. Asserts the result file's structure and what could go wrong whatever the timings:
-every row present and every request completed, the documents arrived as documents (one chunk
-lookup each), warm passes hit more than cold ones, the precomputed tier serves the precomputed
-passes, vanilla's ceiling pass hits vLLM's prefix cache, and vanilla and graphchunk were sent the
-same prompts. No timing is asserted.
+isolated and blend servers (isolated also on a precomputed tier) on the tiny Llama checkpoint,
+concurrency 1, a few requests a pass, eager. Asserts the result file's structure and what could go
+wrong whatever the timings: every row present and every request completed, the documents arrived
+as documents (one chunk lookup each), warm passes hit more than cold ones, the precomputed tier
+serves the precomputed pass, vanilla's ceiling pass hits vLLM's prefix cache, and vanilla and
+graphchunk were sent the same prompts. No timing is asserted.
 """
 from __future__ import annotations
 
@@ -20,9 +20,8 @@ import pytest
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parent.parent
-TIMEOUT_S = 900  # ~3 min on 2 cores: five server starts, one precompute, 18 passes
-PHASES = {"vanilla": ("cold", "warm", "ceiling"), "isolated": ("cold", "warm", "precomputed"),
-          "blend": ("cold", "warm", "precomputed")}
+TIMEOUT_S = 900  # ~4 min on 2 cores: four server starts, one precompute, 8 passes
+PHASES = {"vanilla": ("cold", "warm", "ceiling"), "isolated": ("cold", "warm", "precomputed"), "blend": ("cold", "warm")}
 
 
 @pytest.fixture(scope="module")
@@ -48,14 +47,13 @@ def rows_of(result, kind, phase):
 def test_structure(result):
     for key in ("command", "config", "model", "device", "environment", "sizes", "servers", "precompute", "checks"):
         assert key in result
-    assert result["config"]["quick"] and result["config"]["concurrency"] == [1, 2]
+    assert result["config"]["quick"] and result["config"]["concurrency"] == [1]
     assert result["environment"]["vllm"] and "graphchunk_commit" in result["environment"]
     assert result["sizes"]["pool_holds_working_set"]
-    assert [s["name"] for s in result["servers"]] == ["vanilla", "isolated", "isolated-precomputed", "blend",
-                                                      "blend-precomputed"]
+    assert [s["name"] for s in result["servers"]] == ["vanilla", "isolated", "isolated-precomputed", "blend"]
     assert result["_plot"].stat().st_size > 0
     found = {(r["kind"], r["phase"], r["concurrency"]) for r in result["rows"]}
-    assert found == {(k, p, c) for k, phases in PHASES.items() for p in phases for c in (1, 2)}
+    assert found == {(k, p, 1) for k, phases in PHASES.items() for p in phases}
     for row in result["rows"]:
         assert row["request_throughput"] > 0 and row["ttft_ms"]["p50"] > 0 and row["ttft_ms"]["p99"] > 0
         assert row["tpot_ms"]["p50"] is not None
@@ -87,13 +85,12 @@ def test_warm_hits_more_than_cold(result, kind):
         assert warm["cache"]["chunk_hit_rate"] > cold["cache"]["chunk_hit_rate"], (cold["cache"], warm["cache"])
 
 
-@pytest.mark.parametrize("kind", ["isolated", "blend"])
-def test_precomputed_passes_hit_the_tier(result, kind):
+def test_precomputed_passes_hit_the_tier(result):
     """The precomputed server's first pass is its first sight of any document: every chunk it did
-    not compute came from the tier the precompute filled."""
-    first = rows_of(result, kind, "precomputed")[0]
+    not compute came from the tier the precompute filled (isolated, as --quick asks; blend entries
+    from a tier: tests/test_tier.py)."""
+    (first,) = rows_of(result, "isolated", "precomputed")
     assert first["cache"]["tier_hits"] > 0 and first["cache"]["chunk_misses"] == 0, first["cache"]
-    assert all(r["cache"]["tier_hits"] > 0 for r in rows_of(result, kind, "precomputed"))
 
 
 def test_ceiling_hits_the_prefix_cache(result):

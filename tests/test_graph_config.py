@@ -135,43 +135,14 @@ def test_the_cuda_start_up_path_on_cpu(monkeypatch, tmp_path):
     assert config.parallel_config.worker_cls == "graphchunk.Runner"
 
 
-@pytest.mark.slow
-@pytest.mark.usefixtures("one_oracle_thread")
-def test_the_cpu_grid_runs_question_steps_on_vllms_compiled_graph():
-    """The shipped CPU grid (backend ``vllm``) in an engine started as a user starts one (no
-    --enforce-eager): graphchunk captures nothing, an all-hit question step runs on vLLM's compiled
-    dynamic-shape graph at its own size (counted replayed, unpadded, in its bucket), so does a step
-    no bucket holds (counted outside the buckets), and every answer equals the oracle's."""
-    import torch
+def test_the_shipped_cpu_grid_is_the_kind_the_session_engine_runs():
+    """The CPU default grid (``graph_templates/cpu.toml``) is backend ``vllm``, as the session
+    engine's grid is: how an engine started without --enforce-eager runs and counts such a grid's
+    steps on vLLM's compiled graph is tests/test_templates.py's (every bucket, steps outside them,
+    against the oracle) and tests/test_warmup.py's (a compiled tiny engine started on a grid by
+    graphchunk-warmup). A third compiled engine here cost CI ~2 min and checked nothing more."""
+    from conftest import GC_LLM_TEMPLATES
 
-    from exactness import LIMITS, assert_matches_oracle, sampling
-    from graphchunk import GraphChunkLLM
-    from graphchunk.llm import RagPrompt
-    from graphchunk.reference import models
-    from graphchunk.reference.oracle import Oracle
-    from graphchunk.segments import split_at
-
-    tiny = str(models.tiny_checkpoint("llama3"))
-    docs = [" ".join(["alpha beta gamma delta"] * 8), " ".join(["one two three four five"] * 6)]
-    with GraphChunkLLM(tiny, dtype="float32", max_model_len=1024, kv_cache_memory_bytes=1 << 27, block_size=32,
-                       graphchunk={"pool_tokens": 4096, "templates": "cpu", "mode": "isolated"}) as llm:
-        manifest = llm.templates_manifest()
-        assert manifest["backend"] == "vllm"
-        assert manifest["vllm_graphs"]["compilation_mode"] == "DYNAMO_TRACE_ONCE"
-        oracle = Oracle(tiny, dtype=torch.float32)
-        counters = ("graph_replays", "graph_padded", "graph_eager")
-        for chunks, question, expected in [(docs, "Which comes first?", None),          # misses: mixed step
-                                           (docs[::-1], "And which comes last?", (1, 0, 0)),
-                                           (docs, "x " * 200, (1, 0, 0))]:              # question > 128 tokens
-            before = llm.stats()
-            prompt = RagPrompt("Answer briefly.", chunks, question)
-            out = llm.generate(prompt, sampling(4))[0]
-            delta = tuple(int(llm.stats()[k] - before[k]) for k in counters)
-            if expected is not None:
-                assert delta == expected
-            ids, boundaries = llm.encode(prompt)
-            assert_matches_oracle(out, split_at(ids, boundaries, **LIMITS), oracle, 4)
-        manifest = llm.templates_manifest()
-        assert manifest["outside_buckets"] == {"replayed": 1, "padded": 0, "eager": 0}
-        assert sum(row["replayed"] for row in manifest["buckets"]) == 2
-        assert sum(row["padded"] + row["eager"] for row in manifest["buckets"]) == 0
+    shipped, session = load_grid("cpu"), load_grid(str(GC_LLM_TEMPLATES))
+    assert shipped.backend == session.backend == "vllm"
+    assert shipped.buckets and shipped.source.endswith("graph_templates/cpu.toml")

@@ -1,6 +1,7 @@
 """The persistent tier end to end: ``graphchunk-precompute`` fills a directory, servers started on
 it serve those chunks as tier hits, two live servers reuse each other's chunks, bad files are
-never served, tenants never share — every output checked against the HF oracle.
+never served, tenants never share — every output checked against the HF oracle. The second
+server's pool is left unset, so it also shows the start-up sizing of an unset pool.
 
 Tiny Llama-llama3 checkpoint in fp32 (fast engines); "servers" are ``GraphChunkLLM`` engines
 (each an engine-core process of its own, as a ``vllm serve`` has); the soak test drives the
@@ -130,8 +131,9 @@ def server_a(tiny, store, precomputed, precomputed_documents):
 
 @pytest.fixture(scope="module")
 def server_b(tiny, store, server_a):
-    # with a host-memory tier in front of the directory; unchunkable documents run as ordinary prompts
-    llm = engine(tiny, store, host_bytes=64 << 20, documents_fallback="ordinary")
+    # with a host-memory tier in front of the directory; unchunkable documents run as ordinary
+    # prompts; its pool left unset (sized from the KV-cache budget at start-up)
+    llm = engine(tiny, store, host_bytes=64 << 20, documents_fallback="ordinary", pool_tokens=0)
     yield llm
     llm.shutdown()
 
@@ -253,6 +255,19 @@ def test_contextualized_entries_are_served_as_hf_computes_them_behind_their_cont
     assert (alone[0] - logprobs[0]).abs().max() > 1e-3
     again, _ = _precompute(tiny, store, context_corpus[0], "--mode", "auto", "--context", "list")
     assert "all 3 documents were written by an earlier run with these settings" in again.stdout
+
+
+def test_an_unset_pool_takes_half_of_the_kv_cache_budget_at_start_up(tiny, server_b):
+    """The worker sizes the pool from the budget vLLM resolved (vLLM's own blocks are the rest:
+    ``determine_available_memory``)."""
+    import transformers
+
+    from graphchunk.engine.worker import POOL_SHARE
+
+    hf = transformers.AutoConfig.from_pretrained(tiny)
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    block_bytes = ENGINE["block_size"] * 2 * hf.num_hidden_layers * hf.num_key_value_heads * head_dim * 4  # fp32 K, V
+    assert server_b.stats()["pool_blocks_total"] == int(ENGINE["kv_cache_memory_bytes"] * POOL_SHARE) // block_bytes
 
 
 def test_two_live_servers_reuse_each_others_chunks(server_a, server_b, tiny_oracle):

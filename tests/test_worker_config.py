@@ -302,22 +302,3 @@ def test_the_pool_is_sized_inside_the_kv_cache_budget(pool_tokens, budget, expec
             size()
     else:
         assert size() == expected
-
-
-def test_an_unset_pool_takes_half_of_the_kv_cache_budget_at_start_up():
-    """A real engine with no graphchunk setting: the worker sizes the pool from the budget vLLM
-    resolved (vLLM's own blocks are the rest: ``determine_available_memory``)."""
-    import transformers
-
-    from graphchunk import GraphChunkLLM
-    from graphchunk.engine.worker import POOL_SHARE
-    from graphchunk.reference import models
-
-    path, budget, block_size = models.tiny_checkpoint("llama3"), 1 << 26, 32
-    hf = transformers.AutoConfig.from_pretrained(path)
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-    block_bytes = block_size * 2 * hf.num_hidden_layers * hf.num_key_value_heads * head_dim * 4  # fp32 K and V
-    with GraphChunkLLM(str(path), dtype="float32", max_model_len=1024, enforce_eager=True, block_size=block_size,
-                       kv_cache_memory_bytes=budget) as llm:
-        pool_blocks = llm.stats()["pool_blocks_total"]
-    assert pool_blocks == int(budget * POOL_SHARE) // block_bytes

@@ -503,6 +503,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="vLLM's step token budget for every server (0: vLLM's default; a large one runs vanilla's "
                         "prefills in steps of their own, its pure-decode TPOT)")
     g.add_argument("--no-precomputed", action="store_true", help="skip the precompute and the precomputed passes")
+    g.add_argument("--precomputed-kinds", type=_names, default=None,
+                   help="the graphchunk kinds that also serve from a precomputed tier (default: every one)")
     g.add_argument("--context-size", type=int, default=2,
                    help="blend-corpus kinds: documents before each one in its precompute (BM25's most related)")
     t = p.add_argument_group("traffic")
@@ -525,8 +527,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-QUICK = dict(model="tiny-llama3", concurrency=[1, 2], num_prompts=[6], docs_per_level=8, docs_per_prompt=3,
-             doc_tokens=(40, 80), questions=16, output_len=4, kv_cache_bytes=1 << 28, max_model_len=1024,
+QUICK = dict(model="tiny-llama3", concurrency=[1], num_prompts=[6], precomputed_kinds=["isolated"], docs_per_level=8,
+             docs_per_prompt=3, doc_tokens=(40, 80), questions=16, output_len=4, kv_cache_bytes=1 << 28, max_model_len=1024,
              enforce_eager=True, out=Path(tempfile.gettempdir()) / "serve_quick.json",
              plot=Path(tempfile.gettempdir()) / "serve_quick.png")
 
@@ -548,6 +550,14 @@ def _names(text: str) -> list[str]:
     except (ValueError, SystemExit) as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return names
+
+
+def precomputes(args, kind: str) -> bool:
+    """Whether ``kind`` also serves the cold trace from a precomputed tier (the docstring's
+    ``precomputed`` pass: graphchunk kinds of the chat form, as ``--precomputed-kinds`` says)."""
+    if kind == "vanilla" or on_corpus(kind) or args.format != "chat" or args.no_precomputed:
+        return False
+    return args.precomputed_kinds is None or kind in args.precomputed_kinds
 
 
 def run(args, command: str, log=print) -> dict:
@@ -572,7 +582,7 @@ def run(args, command: str, log=print) -> dict:
             found, server = run_kind(args, model, kind, levels, work, context_tier if on_corpus(kind) else None, log)
             rows += found
             servers.append(server)
-            if kind == "vanilla" or on_corpus(kind) or args.format != "chat" or args.no_precomputed:  # the docstring
+            if not precomputes(args, kind):
                 continue
             if precomputed is None:
                 tier.mkdir(exist_ok=True)
