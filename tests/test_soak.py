@@ -1,6 +1,6 @@
 """CI-sized soak (``perf/soak/soak.py``): concurrent clients over the OpenAI server with faults.
 
-The tiny Llama-llama3 checkpoint in fp32 (fast on two cores), 200 requests from 6
+The tiny Llama-llama3 checkpoint in fp32 (fast on two cores), a few hundred requests from 6
 client threads over 40 documents of CPython help-topic text with Zipf popularity, a chunk pool an
 eighth of the working set, client disconnects mid-stream / before the first token / before any
 response byte, one server restart with a truncated tier file planted while it is down, one tier
@@ -29,7 +29,7 @@ from perf.soak import soak
 
 pytestmark = pytest.mark.slow
 
-ARGV = ["--model", "tiny-llama3", "--requests", "200", "--concurrency", "6", "--docs", "40",
+ARGV = ["--model", "tiny-llama3", "--requests", "300", "--concurrency", "6", "--docs", "40",
         "--doc-tokens", "32,200", "--docs-per-request", "2,4", "--max-tokens", "8",
         "--abort-stream", "0.05", "--abort-prefill", "0.05", "--abort-nostream", "0.05",
         "--restart-at", "0.5", "--corrupt-at", "0.75", "--check", "-1", "--warmup", "30",
