@@ -5,10 +5,10 @@ One subprocess, as a user runs it: ``--quick`` (4 prompts, one of each task fami
 with vanilla, isolated, blend none, the question-aware policy and cacheblend r=1,
 ``--enforce-eager`` (vLLM's compile would take longer than the run); each further setting costs
 ~20 s, so the settings' refinements (key temperature, scoring depth) are checked as the
-extra_args they send. Asserts that it exits 0
-with its checks passed, that every setting has a row over every prompt with each metric and its 95 %
-bootstrap interval around it (overall and per task family), and that the exactness anchors hold:
-vanilla against itself and cacheblend r=1 against vanilla stay below ``FULL_KL_TOL``. Quality and
+extra_args they send. Asserts that it exits 0 with its checks passed, that every setting has a row
+over every prompt with each metric and its 95 % bootstrap interval around it (overall and per task
+family), and that the exactness anchors hold: vanilla against itself and cacheblend r=1 against
+vanilla stay below ``FULL_KL_TOL``. Quality and
 timings are not asserted (four prompts decide nothing).
 """
 from __future__ import annotations

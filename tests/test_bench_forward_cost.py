@@ -19,8 +19,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 def test_quick_run_measures_every_path(tmp_path):
     out = tmp_path / "forward_cost.json"
-    done = subprocess.run([sys.executable, "-m", "perf.micro.bench_forward_cost", "--quick", "--enforce-eager", "--out", str(out)],
-                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-m", "perf.micro.bench_forward_cost", "--quick", "--enforce-eager",
+                           "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and out.exists(), done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads(out.read_text())
     sizes = [str(n) for n in result["config"]["tokens"]]

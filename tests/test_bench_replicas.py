@@ -4,8 +4,9 @@ checkpoint (the single-server baseline, policy ``one``, runs in the full form on
 could go wrong whatever the timings: every request completed and every document lookup accounted
 for (pool, tier or computed, per replica); the router got each request's token ids from the
 replicas' render endpoint (graphchunk places the documents there) rather than routing by load
-alone, and looked each one up in the index built from the replicas' KV events. No timing is asserted (nor where kv_aware sends a request: that is the router's
-choice; tests/test_router.py checks the shared tier deterministically).
+alone, and looked each one up in the index built from the replicas' KV events. No timing is
+asserted (nor where kv_aware sends a request: that is the router's choice; tests/test_router.py
+checks the shared tier deterministically).
 """
 from __future__ import annotations
 

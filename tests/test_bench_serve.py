@@ -21,7 +21,8 @@ pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 900  # ~4 min on 2 cores: four server starts, one precompute, 8 passes
-PHASES = {"vanilla": ("cold", "warm", "ceiling"), "isolated": ("cold", "warm", "precomputed"), "blend": ("cold", "warm")}
+PHASES = {"vanilla": ("cold", "warm", "ceiling"), "isolated": ("cold", "warm", "precomputed"),
+          "blend": ("cold", "warm")}
 
 
 @pytest.fixture(scope="module")

@@ -528,8 +528,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 QUICK = dict(model="tiny-llama3", concurrency=[1], num_prompts=[6], precomputed_kinds=["isolated"], docs_per_level=8,
-             docs_per_prompt=3, doc_tokens=(40, 80), questions=16, output_len=4, kv_cache_bytes=1 << 28, max_model_len=1024,
-             enforce_eager=True, out=Path(tempfile.gettempdir()) / "serve_quick.json",
+             docs_per_prompt=3, doc_tokens=(40, 80), questions=16, output_len=4, kv_cache_bytes=1 << 28,
+             max_model_len=1024, enforce_eager=True, out=Path(tempfile.gettempdir()) / "serve_quick.json",
              plot=Path(tempfile.gettempdir()) / "serve_quick.png")
 
 
