@@ -1,12 +1,16 @@
-"""The serving benchmark end to end at its ``--quick`` size (``perf/serving/bench_serve.py``).
+"""The serving benchmark end to end at its ``--quick`` size (``perf/serving/bench_serve.py``), in
+the suite's smallest form: vanilla vLLM and graphchunk's isolated server (``--kinds vanilla,isolated
+--no-precomputed``: two server starts, 5 passes) through vLLM's own ``vllm bench serve`` (the
+benchmark's shim) on the tiny Llama checkpoint, concurrency 1, a few requests a pass, eager. Asserts
+the result file's structure and what could go wrong whatever the timings: every row present and
+every request completed, the documents arrived as documents (one chunk lookup each), warm passes hit
+more than cold ones, vanilla's ceiling pass hits vLLM's prefix cache, and vanilla and graphchunk were
+sent the same prompts. No timing is asserted.
 
-vLLM's own ``vllm bench serve`` (through the benchmark's shim) against vanilla vLLM and graphchunk's
-isolated and blend servers (isolated also on a precomputed tier) on the tiny Llama checkpoint,
-concurrency 1, a few requests a pass, eager. Asserts the result file's structure and what could go
-wrong whatever the timings: every row present and every request completed, the documents arrived
-as documents (one chunk lookup each), warm passes hit more than cold ones, the precomputed tier
-serves the precomputed pass, vanilla's ceiling pass hits vLLM's prefix cache, and vanilla and
-graphchunk were sent the same prompts. No timing is asserted.
+What the suite leaves to the benchmark's own ``--quick`` (every kind, a precomputed tier): a blend
+server and a server on a tier are the same code here with other settings (``settings_of``, below);
+blend documents through the server are tests/test_server.py's, a precompute served from its tier
+tests/test_tier.py's (the precompute's corpus lines are checked below without an engine).
 """
 from __future__ import annotations
 
@@ -20,15 +24,15 @@ import pytest
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parent.parent
-TIMEOUT_S = 900  # ~4 min on 2 cores: four server starts, one precompute, 8 passes
-PHASES = {"vanilla": ("cold", "warm", "ceiling"), "isolated": ("cold", "warm", "precomputed"),
-          "blend": ("cold", "warm")}
+TIMEOUT_S = 900  # ~1.5 min on 2 cores: two server starts, 5 passes
+PHASES = {"vanilla": ("cold", "warm", "ceiling"), "isolated": ("cold", "warm")}
 
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench-serve")
-    command = [sys.executable, "-m", "perf.serving.bench_serve", "--quick", "--out", str(out / "serve.json"),
+    command = [sys.executable, "-m", "perf.serving.bench_serve", "--quick", "--kinds", ",".join(PHASES),
+               "--no-precomputed", "--out", str(out / "serve.json"),
                "--plot", str(out / "serve.png"), "--work-dir", str(out / "work")]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S)
     print(done.stdout[-4000:])
@@ -51,7 +55,7 @@ def test_structure(result):
     assert result["config"]["quick"] and result["config"]["concurrency"] == [1]
     assert result["environment"]["vllm"] and "graphchunk_commit" in result["environment"]
     assert result["sizes"]["pool_holds_working_set"]
-    assert [s["name"] for s in result["servers"]] == ["vanilla", "isolated", "isolated-precomputed", "blend"]
+    assert [s["name"] for s in result["servers"]] == ["vanilla", "isolated"] and result["precompute"] is None
     assert result["_plot"].stat().st_size > 0
     found = {(r["kind"], r["phase"], r["concurrency"]) for r in result["rows"]}
     assert found == {(k, p, 1) for k, phases in PHASES.items() for p in phases}
@@ -80,18 +84,29 @@ def test_documents_arrived_as_documents(result):
                 assert row["cache"]["chunk_lookups"] == row["cache"]["documents_sent"], row
 
 
-@pytest.mark.parametrize("kind", ["isolated", "blend"])
-def test_warm_hits_more_than_cold(result, kind):
-    for cold, warm in zip(rows_of(result, kind, "cold"), rows_of(result, kind, "warm")):
+def test_warm_hits_more_than_cold(result):
+    for cold, warm in zip(rows_of(result, "isolated", "cold"), rows_of(result, "isolated", "warm")):
         assert warm["cache"]["chunk_hit_rate"] > cold["cache"]["chunk_hit_rate"], (cold["cache"], warm["cache"])
 
 
-def test_precomputed_passes_hit_the_tier(result):
-    """The precomputed server's first pass is its first sight of any document: every chunk it did
-    not compute came from the tier the precompute filled (isolated, as --quick asks; blend entries
-    from a tier: tests/test_tier.py)."""
-    (first,) = rows_of(result, "isolated", "precomputed")
-    assert first["cache"]["tier_hits"] > 0 and first["cache"]["chunk_misses"] == 0, first["cache"]
+def test_the_precompute_corpus_holds_every_document_under_every_system_prompt(tokenizer, tmp_path):
+    """What the precomputed pass's ``graphchunk-precompute --format documents`` reads (without its
+    engine): every document of every level once per system prompt in isolated mode (entries are keyed
+    by it), once in blend mode, grouped by the tool's own reader."""
+    import random
+
+    from graphchunk.tools.precompute import read_corpus
+    from perf.serving import serve_trace as T
+    from perf.serving.bench_serve import QUICK, build_parser
+
+    args = build_parser().parse_args([])
+    vars(args).update({k: v for k, v in QUICK.items() if k not in ("out", "plot")})
+    levels = T.build_levels(tokenizer, args.concurrency, args, random.Random(0))
+    lines = T.precompute_corpus(levels, "isolated") + T.precompute_corpus(levels, "blend")
+    groups = read_corpus(T.write_jsonl(tmp_path / "corpus.jsonl", lines), "", "isolated")
+    docs = [doc for level in levels for doc in level.docs]
+    assert set(groups) == {(s, "isolated") for s in T.SYSTEMS} | {(T.SYSTEMS[0], "blend")}
+    assert all(group == docs for group in groups.values())
 
 
 def test_ceiling_hits_the_prefix_cache(result):
