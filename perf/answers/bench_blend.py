@@ -4,7 +4,7 @@
                                 --repeats 1 --settings all --out perf/results/blend_quality.json
                                 --plot perf/results/blend_quality.png]
     python -m perf.answers.bench_blend --quick --enforce-eager --settings vanilla,isolated,isolated:0.8,none,question:0.3,cacheblend:1.0
-                                                           # CI (tests/test_bench_blend.py), ~2 min
+                                                           # a smoke run, ~2 min (CI: tests/test_bench_blend.py's three)
 
 Default sizes: 48 prompts (12 of each task family) x 5-8 documents of ~150 tokens (~1.1k-token
 prompts); ``--doc-tokens 400`` is the long form. The first benchmark (4 documents of ~100 tokens, fact and
