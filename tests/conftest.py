@@ -99,3 +99,33 @@ def gc_llm(smollm2_path):
         yield llm
     finally:
         llm.shutdown()
+
+
+# --- the record of every difference from the oracle (``--record-differences FILE``) ---------------
+
+def pytest_addoption(parser):
+    parser.addoption("--record-differences", metavar="FILE", default=None,
+                     help="append each test's largest first-token and all-token logprob difference from its "
+                          "oracle to FILE, one line per test that compared any (exactness.RECORDED)")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    """With ``--record-differences``: every comparison of the test's call, its maxima written, so a
+    run's history names any test that moved."""
+    path = item.config.getoption("--record-differences")
+    if not path:
+        yield
+        return
+    import exactness
+
+    exactness.RECORDED = []
+    try:
+        yield
+    finally:
+        found, exactness.RECORDED = exactness.RECORDED, None
+        if found:
+            first = max((diff for step, diff in found if step == 0), default=0.0)
+            with open(path, "a") as f:
+                f.write(f"{item.nodeid}\tfirst token {first:.2e}\tall tokens {max(d for _, d in found):.2e}"
+                        f"\tcompared {len(found)}\n")

@@ -30,6 +30,9 @@ BLEND_NONE = {"graphchunk_mode": "blend", "graphchunk_recompute": "none"}
 CONFIG = GraphChunkConfig()
 LIMITS = dict(max_chunks=CONFIG.max_chunks, max_chunk_len=CONFIG.max_chunk_len)
 MEASURED = {"first token": 0.0, "all tokens": 0.0, "compared": 0}
+RECORDED: list[tuple[int, float]] | None = None
+"""(generated token, difference) of every comparison while a test runs with ``--record-differences``
+(tests/conftest.py)."""
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -98,12 +101,19 @@ class Reference:
 
 
 REFERENCES: dict = {}
+"""Oracle outputs by (oracle, kind, prompt, ...): the oracle's model and dtype are part of every key,
+so a module with an oracle of its own (another checkpoint or dtype) never reads another's."""
+
+
+def _oracle_key(oracle) -> tuple:
+    return oracle.model.name_or_path, oracle.dtype
 
 
 def reference(oracle, seg: SegmentedPrompt, max_tokens: int, key_temperature: float = 1.0) -> Reference:
     """The oracle's greedy continuation. ``Oracle.generate`` keeps only the last step's logits; a
     forward hook records every step's, so one prefill gives the first token's logprobs too."""
-    key = (seg.token_ids, seg.layout, max_tokens) + ((key_temperature,) if key_temperature != 1 else ())
+    key = (_oracle_key(oracle), seg.token_ids, seg.layout, max_tokens) + (
+        (key_temperature,) if key_temperature != 1 else ())
     if key not in REFERENCES:
         steps: list[torch.Tensor] = []
         hook = oracle.model.register_forward_hook(
@@ -123,7 +133,7 @@ def blend_reference(oracle, seg: SegmentedPrompt, kind: str, max_tokens: int = M
     """Blend mode's references: "causal" (full prefill, what recomputing 100 % must give), "naive"
     (each chunk alone at its own positions, nothing recomputed) or "legolink:K" (the first K
     tokens of every chunk recomputed)."""
-    key = (kind, seg.token_ids, seg.layout, max_tokens)
+    key = (_oracle_key(oracle), kind, seg.token_ids, seg.layout, max_tokens)
     if key not in REFERENCES:
         if kind == "causal":
             tokens, logprobs = oracle.causal_generate(list(seg.token_ids), max_tokens)
@@ -160,6 +170,8 @@ def assert_matches_reference(output, ref: Reference, what: str = "") -> None:
         if step == 0:
             MEASURED["first token"] = max(MEASURED["first token"], diff)
         MEASURED["compared"] += 1
+        if RECORDED is not None:
+            RECORDED.append((step, diff))
         tol = FIRST_TOKEN_TOL if step == 0 else LOGPROB_TOL
         assert diff <= tol, f"generated token {step}: top-{TOP_LOGPROBS} logprobs differ by {diff:.2e}"
 

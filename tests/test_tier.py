@@ -21,7 +21,7 @@ import xxhash
 from pydoc_data.topics import topics
 
 from exactness import LIMITS, MAX_TOKENS, Reference, assert_matches_oracle, assert_matches_reference, blend_reference, \
-    sampling
+    reference, sampling
 from graphchunk.blend.recompute import cacheblend_tokens
 from graphchunk.cache.context_plan import context_identity
 from graphchunk.config import GraphChunkConfig
@@ -176,6 +176,15 @@ def run_chat(llm, oracle, messages, documents, mode: str | None = None) -> dict[
     else:
         assert_matches_oracle(output, seg, oracle)
     return {name: after[name] - before[name] for name in after}
+
+
+def test_references_are_kept_per_oracle(oracle, tiny_oracle, tokenizer):
+    """This module's tiny oracle and the session's SmolLM2 oracle share a tokenizer, so the same
+    prompt is the same token ids to both: each gets its own reference (the cache is keyed by oracle)."""
+    seg = split_at(tokenizer.encode(f"{SYS} ## {docs(1)[0]} ## {QUESTION}"), [0], **LIMITS)
+    mine, session = reference(tiny_oracle, seg, 2), reference(oracle, seg, 2)
+    assert mine is reference(tiny_oracle, seg, 2) and session is not mine
+    assert (mine.logprobs[0] - session.logprobs[0]).abs().max() > 1
 
 
 def tier_files(store) -> set:
