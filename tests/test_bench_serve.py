@@ -92,21 +92,22 @@ def test_warm_hits_more_than_cold(result):
 def test_the_precompute_corpus_holds_every_document_under_every_system_prompt(tokenizer, tmp_path):
     """What the precomputed pass's ``graphchunk-precompute --format documents`` reads (without its
     engine): every document of every level once per system prompt in isolated mode (entries are keyed
-    by it), once in blend mode, grouped by the tool's own reader."""
+    by it), once in blend mode (the contextualized corpus: blend only), grouped by the tool's own reader."""
     import random
 
     from graphchunk.tools.precompute import read_corpus
+    from perf.common import harness as H
     from perf.serving import serve_trace as T
-    from perf.serving.bench_serve import QUICK, build_parser
+    from perf.serving.bench_serve import QUICK, build_parser, precompute_lines
 
-    args = build_parser().parse_args([])
-    vars(args).update({k: v for k, v in QUICK.items() if k not in ("out", "plot")})
+    args = H.parse_with_quick(build_parser(), ["--quick"], QUICK)
     levels = T.build_levels(tokenizer, args.concurrency, args, random.Random(0))
-    lines = T.precompute_corpus(levels, "isolated") + T.precompute_corpus(levels, "blend")
-    groups = read_corpus(T.write_jsonl(tmp_path / "corpus.jsonl", lines), "", "isolated")
     docs = [doc for level in levels for doc in level.docs]
-    assert set(groups) == {(s, "isolated") for s in T.SYSTEMS} | {(T.SYSTEMS[0], "blend")}
-    assert all(group == docs for group in groups.values())
+    for context, modes in ((False, {(s, "isolated") for s in T.SYSTEMS}), (True, set())):
+        path = T.write_jsonl(tmp_path / f"corpus-{context}.jsonl", precompute_lines(levels, context))
+        groups = read_corpus(path, "", "isolated")
+        assert set(groups) == modes | {(T.SYSTEMS[0], "blend")}, context
+        assert all(group == docs for group in groups.values())
 
 
 def test_ceiling_hits_the_prefix_cache(result):

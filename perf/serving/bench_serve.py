@@ -226,13 +226,18 @@ def counters(url: str) -> dict[str, float]:
     return last
 
 
-def precompute(args, model: Path, levels, tier: Path, work: Path, log=print, context: bool = False) -> dict:
-    """``graphchunk-precompute`` of every level's documents into ``tier``, for both modes (one run:
-    its lines name their mode), with the servers' model, dtype, block size and KV budget; with
-    ``context``, blend only, each document behind its ``--context-size`` most related (BM25)."""
+def precompute_lines(levels, context: bool = False) -> list[dict]:
+    """The precompute's corpus lines: every level's documents for both modes (each line names its
+    mode), or with ``context`` blend only (contextualized entries are blend's)."""
     lines = T.precompute_corpus(levels, "blend")
-    if not context:
-        lines = T.precompute_corpus(levels, "isolated") + lines
+    return lines if context else T.precompute_corpus(levels, "isolated") + lines
+
+
+def precompute(args, model: Path, levels, tier: Path, work: Path, log=print, context: bool = False) -> dict:
+    """``graphchunk-precompute`` of ``precompute_lines`` into ``tier`` (one run), with the servers'
+    model, dtype, block size and KV budget; with ``context``, each document behind its
+    ``--context-size`` most related (BM25)."""
+    lines = precompute_lines(levels, context)
     corpus = T.write_jsonl(work / ("precompute-context.jsonl" if context else "precompute.jsonl"), lines)
     command = [sys.executable, "-m", "graphchunk.tools.precompute", "--store", str(tier), "--corpus", str(corpus),
                "--model", str(model), "--format", "documents",
