@@ -1,10 +1,11 @@
 """Bucket counts inside the engine: every bucket of the session grid (tests/data/templates.toml)
-holds its steps — filled exactly to its limits and partially — which run on vLLM's own compiled
-graph (the engine runs without --enforce-eager), are counted once in their bucket and equal the
-oracle; steps outside every bucket run the same way, exactly, and are counted outside the buckets.
-On CPU vLLM's one compiled dynamic-shape graph runs every step at its own token count: each
-cached-chunk prefill counts as replayed, none padded (on CUDA a partial fill would be padded to
-vLLM's next capture size).
+holds its steps — filled exactly to its limits, and partially (in the engine for the smallest and
+the widest bucket, ``ENGINE_CASES``) — which run on vLLM's own compiled graph (the engine runs
+without --enforce-eager), are counted once in their bucket and equal the oracle; steps outside
+every bucket run the same way, exactly, and are counted outside the buckets. On CPU vLLM's one
+compiled dynamic-shape graph runs every step at its own token count: each cached-chunk prefill
+counts as replayed, none padded (on CUDA a partial fill would be padded to vLLM's next capture
+size).
 
 Each case first sends its prompts once (computing the chunks into the pool and whole blocks into
 vLLM's prefix cache), then the same context with new questions of the same length: that step
@@ -167,13 +168,27 @@ def as_request_shape(s: Shape) -> RequestShape:
 BUCKETS = sorted(GRID.buckets)
 
 
-@pytest.mark.parametrize("fill", ["boundary", "partial"])
+FILLS = {"boundary": boundary_shapes, "partial": partial_shapes}
+ENGINE_CASES = [(b, "boundary") for b in BUCKETS] + [(b, "partial") for b in (BUCKETS[0], BUCKETS[-1])]
+"""Every bucket filled to its limits in the engine; partial fills in the engine for the smallest and
+the widest bucket only: on CPU every step runs vLLM's one dynamic-shape graph, so a partial fill
+takes the boundary fill's path there, and which bucket holds each partial shape is checked for every
+bucket on the host (``test_every_bucket_holds_its_boundary_and_partial_shapes``)."""
+
+
+@pytest.mark.parametrize("fill", FILLS)
 @pytest.mark.parametrize("bucket", BUCKETS, ids=[b.name for b in BUCKETS])
-def test_every_bucket_counts_its_steps_on_vllms_graph_and_equals_the_oracle(bucket, fill, gc_llm, oracle, tokens):
-    shapes = (boundary_shapes if fill == "boundary" else partial_shapes)(bucket)
+def test_every_bucket_holds_its_boundary_and_partial_shapes(bucket, fill):
+    shapes = FILLS[fill](bucket)
     assert GRID.bucket_for([as_request_shape(s) for s in shapes]) == bucket
     exact = sum(s.question for s in shapes) == bucket.num_tokens
     assert exact == (fill == "boundary")
+
+
+@pytest.mark.parametrize(("bucket", "fill"), ENGINE_CASES, ids=[f"{b.name}-{fill}" for b, fill in ENGINE_CASES])
+def test_every_bucket_counts_its_steps_on_vllms_graph_and_equals_the_oracle(bucket, fill, gc_llm, oracle, tokens):
+    shapes = FILLS[fill](bucket)
+    assert GRID.bucket_for([as_request_shape(s) for s in shapes]) == bucket
     _, _, outputs, segs, delta = run_question_step(gc_llm, tokens, shapes)
     assert delta == {**ON_VLLMS_GRAPH, "buckets": {bucket.name: 1}}
     for out, seg in zip(outputs, segs):
