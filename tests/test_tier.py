@@ -9,10 +9,11 @@ OpenAI server with a restart over a tier.
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import struct
 import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -68,13 +69,19 @@ def corpus(tmp_path_factory):
 
 
 def _precompute(tiny, store, corpus_path, *options) -> tuple[subprocess.CompletedProcess, set]:
-    """Runs graphchunk-precompute; returns its process and the tier files it wrote."""
+    """Runs graphchunk-precompute (its console script's ``main``, in this process: its engine
+    starts as a user's would, without another interpreter importing torch and vLLM first); returns
+    its exit code and output as a process's, and the tier files it wrote."""
+    from graphchunk.tools import precompute
+
+    argv = ["--model", tiny, "--store", str(store), "--corpus", str(corpus_path), "--sys", SYS, "--dtype", "float32",
+            "--block-size", "32", "--max-model-len", "1024", "--kv-cache-memory-bytes", str(1 << 27),
+            "--mode", "isolated", *options]
     before = tier_files(store)
-    result = subprocess.run(
-        [sys.executable, "-m", "graphchunk.tools.precompute", "--model", tiny, "--store", str(store),
-         "--corpus", str(corpus_path), "--sys", SYS, "--dtype", "float32", "--block-size", "32",
-         "--max-model-len", "1024", "--kv-cache-memory-bytes", str(1 << 27), "--mode", "isolated", *options],
-        capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = precompute.main(argv)
+    result = subprocess.CompletedProcess(["graphchunk-precompute", *argv], code, out.getvalue(), err.getvalue())
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result, tier_files(store) - before
 
