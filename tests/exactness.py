@@ -153,19 +153,26 @@ def assert_matches_oracle(output, seg: SegmentedPrompt, oracle, max_tokens: int 
     assert_matches_reference(output, reference(oracle, seg, max_tokens), f"layout {seg.layout}")
 
 
-def assert_matches_reference(output, ref: Reference, what: str = "") -> None:
-    """Greedy tokens equal the reference's; every generated token's top-20 logprobs (values by id,
-    and the sorted top-20 values, so no token the reference ranks higher is missing) agree."""
-    max_tokens = len(ref.tokens)
+def differences(output, ref: Reference) -> list[float]:
+    """Per generated token, how far its top-20 logprobs are from the reference's: the largest
+    difference of the values by id and of the sorted top-20 values (so no token the reference ranks
+    higher is missing). Only where the greedy tokens are the reference's."""
     completion = output.outputs[0]
-    assert list(completion.token_ids) == ref.tokens, what
-    assert len(completion.logprobs) == max_tokens
-    for step, (top, expected) in enumerate(zip(completion.logprobs, ref.logprobs)):
+    assert len(completion.logprobs) == len(ref.tokens)
+    found = []
+    for top, expected in zip(completion.logprobs, ref.logprobs):
         top = {token: lp.logprob for token, lp in top.items() if lp.rank <= TOP_LOGPROBS}
         by_id = max(abs(value - expected[token].item()) for token, value in top.items())
         ranked = torch.tensor(sorted(top.values(), reverse=True))
-        by_rank = (ranked - expected.topk(TOP_LOGPROBS).values).abs().max().item()
-        diff = max(by_id, by_rank)
+        found.append(max(by_id, (ranked - expected.topk(TOP_LOGPROBS).values).abs().max().item()))
+    return found
+
+
+def assert_matches_reference(output, ref: Reference, what: str = "") -> None:
+    """Greedy tokens equal the reference's; every generated token's top-20 logprobs agree
+    (``differences``)."""
+    assert list(output.outputs[0].token_ids) == ref.tokens, what
+    for step, diff in enumerate(differences(output, ref)):
         MEASURED["all tokens"] = max(MEASURED["all tokens"], diff)
         if step == 0:
             MEASURED["first token"] = max(MEASURED["first token"], diff)

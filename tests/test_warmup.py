@@ -1,7 +1,5 @@
-"""``graphchunk-warmup`` end to end (``python -m graphchunk.tools.warmup``) on a tiny checkpoint."""
+"""``graphchunk-warmup`` end to end (its ``main``, as the console script runs it) on a tiny checkpoint."""
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -18,20 +16,20 @@ question_tokens = [8, 16]
 """
 
 
-def warmup(*args, timeout=900):
-    return subprocess.run([sys.executable, "-m", "graphchunk.tools.warmup", *args], capture_output=True, text=True,
-                          timeout=timeout)
-
-
 @pytest.mark.slow
-def test_warmup_starts_the_engine_on_the_grid_and_writes_a_manifest(tmp_path):
+def test_warmup_starts_the_engine_on_the_grid_and_writes_a_manifest(tmp_path, capsys):
+    """The console script's ``main`` in this process (its engine starts as a user's would, without
+    another interpreter importing torch and vLLM first)."""
+    from graphchunk.tools import warmup as tool
+
     grid = tmp_path / "tiny.toml"
     grid.write_text(TINY_GRID)
     manifest_path = tmp_path / "manifest.json"
     model = str(models.tiny_checkpoint("llama3"))
-    done = warmup("--templates", str(grid), "--model", model, "--dtype", "float32", "--max-model-len", "1024",
-                  "--manifest", str(manifest_path))
-    assert done.returncode == 0, done.stderr[-3000:]
+    code = tool.main(["--templates", str(grid), "--model", model, "--dtype", "float32", "--max-model-len", "1024",
+                      "--manifest", str(manifest_path)])
+    done = capsys.readouterr()
+    assert code == 0, done.err[-3000:]
     manifest = json.loads(manifest_path.read_text())
     assert (manifest["grid"], manifest["backend"], manifest["model"], manifest["dtype"]) == (
         str(grid), "vllm", model, "torch.float32")
@@ -40,8 +38,8 @@ def test_warmup_starts_the_engine_on_the_grid_and_writes_a_manifest(tmp_path):
     assert manifest["outside_buckets"] == {"replayed": 0, "padded": 0, "eager": 0}
     # as the server runs: vLLM's own compilation on; on CPU one dynamic-shape graph, no capture sizes
     assert manifest["vllm_graphs"]["compilation_mode"] == "DYNAMO_TRACE_ONCE"
-    assert "vLLM: compilation DYNAMO_TRACE_ONCE" in done.stdout
-    assert "2 buckets, token counts [8, 16]; among vLLM's capture sizes: none" in done.stdout
+    assert "vLLM: compilation DYNAMO_TRACE_ONCE" in done.out
+    assert "2 buckets, token counts [8, 16]; among vLLM's capture sizes: none" in done.out
 
 
 @pytest.mark.parametrize("backend", ["tensorrt", "compile"])
