@@ -32,6 +32,7 @@ from graphchunk.segments import split_at
 from perf.common import harness as H
 from perf.serving import bench_replicas
 from perf.serving import serve_trace as T
+from perf.serving.bench_serve import server_flags
 from perf.serving.replicas import Replicas, Router, router_program
 
 pytestmark = pytest.mark.slow
@@ -63,7 +64,7 @@ def fleet(args, tmp_path_factory):
                     pytrace=False)
     logs = tmp_path_factory.mktemp("replicas")
     replicas = Replicas(H.resolve_model(args.model), n=2, dtype=args.dtype, graphchunk={"mode": args.mode},
-                        tier=tmp_path_factory.mktemp("shared-tier"), flags=bench_replicas.B.server_flags(args),
+                        tier=tmp_path_factory.mktemp("shared-tier"), flags=server_flags(args),
                         policy="kv_aware", block_size=args.block_size, log_dir=logs)
     try:
         replicas.start(STARTUP_TIMEOUT_S)
