@@ -70,14 +70,22 @@ def fleet(args, tmp_path_factory):
         replicas.start(STARTUP_TIMEOUT_S)
     except Exception as exc:
         pytest.fail(f"the replicas did not start: {exc}", pytrace=False)
-    round_robin = Router([s.url for s in replicas.servers], "round_robin", log_path=logs / "router-round_robin.log")
     try:
-        round_robin.start().wait_ready()
-        replicas.round_robin = round_robin
         yield replicas
     finally:
-        round_robin.stop()
         replicas.stop()
+
+
+@pytest.fixture(scope="module")
+def round_robin(fleet, tmp_path_factory):
+    """A second router, round robin, over the fleet's servers (the fleet's own is kv_aware)."""
+    router = Router([s.url for s in fleet.servers], "round_robin",
+                    log_path=tmp_path_factory.mktemp("round-robin") / "router.log")
+    try:
+        router.start().wait_ready()
+        yield router
+    finally:
+        router.stop()
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +100,7 @@ def model_tokenizer(args):
 
 # --- round robin: exact, and the other replica reads the shared tier ----------------------------
 
-def ask(fleet, tokenizer, oracle, documents, **body) -> None:
+def ask(fleet, router, tokenizer, oracle, documents, **body) -> None:
     """One chat request through the round-robin router: its prompt is graphchunk's placement and
     its answer the oracle's, token for token."""
     from openai import OpenAI
@@ -101,7 +109,7 @@ def ask(fleet, tokenizer, oracle, documents, **body) -> None:
     placed = place_documents(hf_render(tokenizer), messages, documents, tokenizer, **LIMITS)
     seg = split_at(placed.token_ids, placed.boundaries, **LIMITS)
     expected = oracle.generate(list(placed.token_ids), seg.layout, MAX_TOKENS).tokens
-    client = OpenAI(base_url=fleet.round_robin.url + "/v1", api_key="unused", max_retries=0)
+    client = OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0)
     reply = client.chat.completions.create(model=fleet.servers[0].model, messages=messages, temperature=0,
                                            max_tokens=MAX_TOKENS,
                                            extra_body={"documents": documents, "return_token_ids": True, **body})
@@ -122,13 +130,13 @@ def moved(before, after) -> list[tuple[float, ...]]:
     return [tuple(a - b for a, b in zip(x, y)) for x, y in zip(after, before)]
 
 
-def test_through_the_router_exact_and_the_other_replica_reads_the_shared_tier(fleet, model_tokenizer,
+def test_through_the_router_exact_and_the_other_replica_reads_the_shared_tier(fleet, round_robin, model_tokenizer,
                                                                                model_oracle):
     names = ("lookups", "misses", "tier_hits", "hits")
     before = counts(fleet, *names)
     orders = ([0, 1, 2], [1, 2, 0], [2, 0, 1])  # distinct first documents: vLLM's prefix cache shares no document
     for order in orders:
-        ask(fleet, model_tokenizer, model_oracle, [DOCS[i] for i in order])
+        ask(fleet, round_robin, model_tokenizer, model_oracle, [DOCS[i] for i in order])
     per_replica = moved(before, counts(fleet, *names))
     lookups = [c[0] for c in per_replica]
     # Round robin: both replicas served; each counts only its own lookups (3 per request).
@@ -140,12 +148,12 @@ def test_through_the_router_exact_and_the_other_replica_reads_the_shared_tier(fl
     assert other[1] == 0 and other[2] == len(DOCS), per_replica
 
 
-def test_a_tenant_salt_is_not_served_the_other_tenants_tier_files(fleet, model_tokenizer, model_oracle):
+def test_a_tenant_salt_is_not_served_the_other_tenants_tier_files(fleet, round_robin, model_tokenizer, model_oracle):
     """The same documents under a cache_salt: computed again (on whichever replica), never read
     from the unsalted tier files, and still exact."""
     before = counts(fleet, "misses", "tier_hits")
     for order in ([1, 0, 2], [2, 1, 0]):
-        ask(fleet, model_tokenizer, model_oracle, [DOCS[i] for i in order], cache_salt="tenant-b")
+        ask(fleet, round_robin, model_tokenizer, model_oracle, [DOCS[i] for i in order], cache_salt="tenant-b")
     misses, tier_hits = (sum(column) for column in zip(*moved(before, counts(fleet, "misses", "tier_hits"))))
     # The first salted request computes the three documents; the second (the other replica) reads
     # the salted entries the first wrote: tenant b's own files.
