@@ -50,8 +50,9 @@ def one_oracle_thread():
     clear_references()
 
 
-PRECISION_ENV = ("ONEDNN_DEFAULT_FPMATH_MODE", "DNNL_DEFAULT_FPMATH_MODE")
-"""oneDNN's switches to compute fp32 in bf16 or tf32, read by every process (engines inherit them)."""
+PRECISION_ENV = ("ONEDNN_DEFAULT_FPMATH_MODE", "DNNL_DEFAULT_FPMATH_MODE", "VLLM_FLOAT32_MATMUL_PRECISION")
+"""oneDNN's switches to compute fp32 in bf16 or tf32, read by every process, and vLLM's, which its
+CPU worker passes to ``torch.set_float32_matmul_precision`` (engines inherit all three)."""
 
 
 def fp32_precision() -> dict:
@@ -72,8 +73,10 @@ def full_fp32_precision(request):
     through the environment. Context KV at tf32's 10-bit mantissa moves the first token's
     logprobs by ~1e-3 (tests/test_pool_pressure.py pins it), the size of the one unexplained
     failure in the suite's history; this names the module that changed the precision instead."""
-    reduced = SESSION_PRECISION["float32_matmul_precision"] != "highest" or any(
-        SESSION_PRECISION[name] for name in PRECISION_ENV)
+    p = SESSION_PRECISION
+    reduced = (p["float32_matmul_precision"] != "highest" or p["ONEDNN_DEFAULT_FPMATH_MODE"]
+               or p["DNNL_DEFAULT_FPMATH_MODE"]
+               or (p["VLLM_FLOAT32_MATMUL_PRECISION"] or "highest").lower() != "highest")
     assert not reduced, f"the session starts at reduced fp32 precision: {SESSION_PRECISION}"
     assert fp32_precision() == SESSION_PRECISION, f"fp32 precision changed before {request.module.__name__}"
     yield

@@ -1,6 +1,6 @@
 """CI-sized run of ``perf/answers/bench_blend.py`` (``--quick``): the benchmark that decides works end to end.
 
-One subprocess, as a user runs it: ``--quick`` (4 prompts, one of each task family: ``fact``,
+One run, as a user runs it (its ``main``, in this process: ``inprocess``): ``--quick`` (4 prompts, one of each task family: ``fact``,
 ``paraphrase``, ``two_hop``, ``which_doc``; 3 documents of ~80 tokens, a 14-token continuation) with
 vanilla, the question-aware policy (the default's, the baseline) and cacheblend r=1 (the exactness
 anchor), ``--enforce-eager`` (vLLM's compile would take longer than the run); each further setting
@@ -15,14 +15,11 @@ cacheblend r=1 against vanilla stay below ``FULL_KL_TOL``. Quality and timings a
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-
+from inprocess import run_main
+from perf.answers import bench_blend
 from perf.answers.blend_metrics import FULL_KL_TOL, METRICS, paired
 from perf.answers.blend_task import TASK_KINDS, one_setting
 
@@ -34,11 +31,9 @@ SETTINGS = ["vanilla", "question r=0.3", "cacheblend r=1"]
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench_blend")
-    cmd = [sys.executable, "-m", "perf.answers.bench_blend", "--quick", "--enforce-eager",
-           "--settings", "vanilla,question:0.3,cacheblend:1.0",
-           "--baseline", "question:0.3", "--out", str(out / "blend.json"),
-           "--plot", str(out / "blend.png")]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
+    argv = ["--quick", "--enforce-eager", "--settings", "vanilla,question:0.3,cacheblend:1.0",
+            "--baseline", "question:0.3", "--out", str(out / "blend.json"), "--plot", str(out / "blend.png")]
+    proc = run_main(bench_blend.main, argv, ["python", "-m", "perf.answers.bench_blend"])
     print(proc.stdout)
     result = json.loads((out / "blend.json").read_text()) if (out / "blend.json").exists() else None
     return proc, result, out

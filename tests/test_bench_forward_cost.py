@@ -6,21 +6,19 @@ vLLM's compilation is tests/test_compiled_forward.py's, on the session engine)."
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+from inprocess import run_main
+from perf.micro import bench_forward_cost
 
-REPO = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.slow
 
 
 def test_quick_run_measures_every_path(tmp_path):
     out = tmp_path / "forward_cost.json"
-    done = subprocess.run([sys.executable, "-m", "perf.micro.bench_forward_cost", "--quick", "--enforce-eager",
-                           "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    done = run_main(bench_forward_cost.main, ["--quick", "--enforce-eager", "--out", str(out)],
+                    ["python", "-m", "perf.micro.bench_forward_cost"])  # in this process: ``inprocess``
     assert done.returncode == 0 and out.exists(), done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads(out.read_text())
     sizes = [str(n) for n in result["config"]["tokens"]]

@@ -1,5 +1,5 @@
 """CI-sized run of ``perf/answers/bench_oracle_quality.py`` (``--quick``): the oracle's quality benchmark works
-end to end. One subprocess as a user runs it (4 prompts, one per task family, 3 documents of ~80
+end to end. One run as a user runs it (its ``main``, in this process: ``inprocess``; 4 prompts, one per task family, 3 documents of ~80
 tokens; ``SETTINGS``, the ones asserted here): it exits 0 with its checks passed, every setting has
 a row over every prompt with exact match, KL and their 95 % intervals around them (overall and per
 family), full prefill is its own reference and recomputing every chunk token equals it. Quality is
@@ -7,15 +7,12 @@ not asserted (four prompts decide nothing)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-
+from inprocess import run_main
+from perf.answers import bench_oracle_quality
 from perf.answers.blend_metrics import FULL_KL_TOL
 from perf.answers.rag_tasks import FAMILIES
 
@@ -30,9 +27,8 @@ run through the same loop as question:0.15 in the benchmark's own ``--quick``)."
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
     out = tmp_path_factory.mktemp("oracle_quality")
-    cmd = [sys.executable, "-m", "perf.answers.bench_oracle_quality", "--quick", "--settings", ",".join(SETTINGS),
-           "--out", str(out / "q.json"), "--plot", str(out / "q.png")]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
+    argv = ["--quick", "--settings", ",".join(SETTINGS), "--out", str(out / "q.json"), "--plot", str(out / "q.png")]
+    proc = run_main(bench_oracle_quality.main, argv, ["python", "-m", "perf.answers.bench_oracle_quality"])
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     assert (out / "q.png").stat().st_size > 0
     return json.loads((out / "q.json").read_text())

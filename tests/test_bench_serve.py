@@ -15,26 +15,23 @@ tests/test_tier.py's (the precompute's corpus lines are checked below without an
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
+from inprocess import run_main
+from perf.serving import bench_serve
+
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parent.parent
-TIMEOUT_S = 900  # ~1.5 min on 2 cores: two server starts, 5 passes
 PHASES = {"vanilla": ("cold", "warm", "ceiling"), "isolated": ("cold", "warm")}
 
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench-serve")
-    command = [sys.executable, "-m", "perf.serving.bench_serve", "--quick", "--kinds", ",".join(PHASES),
-               "--no-precomputed", "--out", str(out / "serve.json"),
-               "--plot", str(out / "serve.png"), "--work-dir", str(out / "work")]
-    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S)
+    argv = ["--quick", "--kinds", ",".join(PHASES), "--no-precomputed", "--out", str(out / "serve.json"),
+            "--plot", str(out / "serve.png"), "--work-dir", str(out / "work")]
+    done = run_main(bench_serve.main, argv, ["python", "-m", "perf.serving.bench_serve"])  # ``inprocess``
     print(done.stdout[-4000:])
     if not (out / "serve.json").exists():
         pytest.fail(f"bench_serve.py exited {done.returncode} without a result\n{done.stdout[-3000:]}\n"

@@ -206,3 +206,25 @@ def test_context_kv_at_tf32_precision_is_caught_at_the_first_token(small_pool_ll
     llm.llm.reset_prefix_cache()
     delta = _generate(llm, oracle, [c_reversed])
     assert delta["hits"] == 2, delta
+
+
+def _fp32_precision(worker) -> dict:
+    """In the engine's worker: what decides the precision of its fp32 matmuls."""
+    import os
+
+    import torch
+
+    return {"float32_matmul_precision": torch.get_float32_matmul_precision(),
+            "mkldnn.matmul.fp32_precision": torch.backends.mkldnn.matmul.fp32_precision,
+            **{name: os.environ.get(name) for name in ("ONEDNN_DEFAULT_FPMATH_MODE", "DNNL_DEFAULT_FPMATH_MODE")}}
+
+
+def test_the_engine_s_worker_computes_fp32_at_full_precision(small_pool_llm):
+    """vLLM's CPU worker (a subclass of the CUDA Worker) calls ``torch.set_float32_matmul_precision``
+    with ``VLLM_FLOAT32_MATMUL_PRECISION`` at start-up: 'medium' makes oneDNN compute fp32 matmuls
+    in bf16 on hosts with AMX (2.5e-3 relative, measured once on a lent machine's Xeon; no effect
+    on AVX2 hosts), which would move context KV by the size of the intermittent above. The worker the
+    suite compares with the oracle runs at full precision, and oneDNN is not asked otherwise."""
+    found = _run_in_worker(small_pool_llm, _fp32_precision)
+    assert found == {"float32_matmul_precision": "highest", "mkldnn.matmul.fp32_precision": "ieee",
+                     "ONEDNN_DEFAULT_FPMATH_MODE": None, "DNNL_DEFAULT_FPMATH_MODE": None}, found

@@ -9,8 +9,6 @@ OpenAI server with a restart over a tier.
 """
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import struct
 import subprocess
@@ -31,6 +29,7 @@ from graphchunk.llm import RagPrompt
 from graphchunk.reference import models
 from graphchunk.reference.oracle import Oracle
 from graphchunk.segments import split_at
+from inprocess import run_main
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_oracle_thread")]
 
@@ -69,19 +68,15 @@ def corpus(tmp_path_factory):
 
 
 def _precompute(tiny, store, corpus_path, *options) -> tuple[subprocess.CompletedProcess, set]:
-    """Runs graphchunk-precompute (its console script's ``main``, in this process: its engine
-    starts as a user's would, without another interpreter importing torch and vLLM first); returns
-    its exit code and output as a process's, and the tier files it wrote."""
+    """Runs graphchunk-precompute (its console script's ``main``, in this process: ``inprocess``);
+    returns its exit code and output as a process's, and the tier files it wrote."""
     from graphchunk.tools import precompute
 
     argv = ["--model", tiny, "--store", str(store), "--corpus", str(corpus_path), "--sys", SYS, "--dtype", "float32",
             "--block-size", "32", "--max-model-len", "1024", "--kv-cache-memory-bytes", str(1 << 27),
             "--mode", "isolated", *options]
     before = tier_files(store)
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = precompute.main(argv)
-    result = subprocess.CompletedProcess(["graphchunk-precompute", *argv], code, out.getvalue(), err.getvalue())
+    result = run_main(precompute.main, argv, ["graphchunk-precompute"])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result, tier_files(store) - before
 

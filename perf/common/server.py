@@ -204,8 +204,14 @@ class Servers:
 
     def start(self, name: str, worker_cls: str | None, store_root: Path | None, port: int,
               log_requests: bool = False, settings: dict | None = None, env: dict | None = None) -> VllmServer:
-        """Starts ``current`` and waits until it is healthy; ``settings``: graphchunk's, instead of
-        the soak's (``graphchunk_settings``); ``env``: added to the server's environment."""
+        """Starts ``current`` and waits until it is healthy (``launch``, then ``adopt``)."""
+        return self.adopt(name, self.launch(name, worker_cls, store_root, port, log_requests, settings, env))
+
+    def launch(self, name: str, worker_cls: str | None, store_root: Path | None, port: int,
+               log_requests: bool = False, settings: dict | None = None, env: dict | None = None) -> VllmServer:
+        """Starts a server's processes without waiting for them, so that several start at once;
+        ``settings``: graphchunk's, instead of the soak's (``graphchunk_settings``); ``env``: added
+        to the server's environment."""
         log_path = self.log_dir / f"{name}.log"
         # Soak servers log "Added request X." / "Request X aborted." (AsyncLLM), which counts the
         # disconnects the engine saw; throughput servers log nothing per request.
@@ -219,13 +225,16 @@ class Servers:
                             env=env)
         self.logs.append(str(log_path))
         self.log(f"[soak] starting {name}: vllm {shlex.join(server.args)}")
-        server.start()
+        return server.start()
+
+    def adopt(self, name: str, server: VllmServer) -> VllmServer:
+        """Waits until a launched server is healthy (stopping it if it is not) and makes it ``current``."""
         try:
             took = server.wait_healthy(self.args.startup_timeout)
         except Exception:
             server.stop()
             raise
-        self.log(f"[soak] {name} healthy after {took:.0f} s (log {log_path})")
+        self.log(f"[soak] {name} healthy, waited {took:.0f} s (log {server.log_path})")
         self.current = server
         return server
 

@@ -4,7 +4,8 @@ every completed answer checked token for token.
     python -m perf.soak.pressure --mode isolated|blend-full|both [--model smollm2] [--requests 500] \
         [--concurrency 8] [--out perf/results/soak_pressure.json]
 
-For each mode one graphchunk server (``vllm serve`` through the soak's ``perf.common.server.Servers``):
+For each mode one graphchunk server (``vllm serve`` through the soak's ``perf.common.server.Servers``;
+all started at once, the traffic one mode at a time):
 ``isolated`` runs ``"mode": "isolated"``, ``blend-full`` runs ``"mode": "blend"`` with
 ``"recompute_ratio": 1.0`` (every chunk token recomputed: full prefill). No persistent tier, so
 an evicted entry is computed again. The chunk pool holds about ``--pool-contexts`` (2) of the
@@ -150,10 +151,10 @@ class PressureSoak:
         self.servers = Servers(self.model_path, flags, self.pool_tokens, self.max_chunk_len, self.log_dir, log)
         self.references: References | None = None
 
-    def run_mode(self, mode: str) -> dict:
+    def launch(self, mode: str) -> tuple:
+        """Starts the mode's server without waiting for it: (server, port, its faults-off file)."""
         a = self.args
         port = free_port()
-        self.servers.incarnation = mode
         settings = mode_settings(mode, a, self.pool_tokens, self.max_chunk_len)
         worker, env = "graphchunk.Runner", None
         faults_off = self.log_dir / f"faults-off-{mode}"
@@ -162,8 +163,17 @@ class PressureSoak:
             faults_off.unlink(missing_ok=True)
             env = {EVERY_ENV: str(a.fail_fill_every), SEED_ENV: str(a.seed), OFF_ENV: str(faults_off),
                    "PYTHONPATH": os.pathsep.join(p for p in (str(H.REPO), os.environ.get("PYTHONPATH", "")) if p)}
-        self.servers.start(f"graphchunk-{mode}", worker, None, port, log_requests=True, settings=settings, env=env)
-        server = self.servers.current
+        server = self.servers.launch(f"graphchunk-{mode}", worker, None, port, log_requests=True, settings=settings,
+                                     env=env)
+        return server, port, faults_off
+
+    def run_mode(self, mode: str, launched: tuple) -> dict:
+        """The mode's traffic and checks on its launched server (``launch``), which it stops."""
+        a = self.args
+        server, port, faults_off = launched
+        settings = mode_settings(mode, a, self.pool_tokens, self.max_chunk_len)
+        self.servers.incarnation = mode
+        self.servers.adopt(f"graphchunk-{mode}", server)
         estimates = Estimates()
 
         def new_client():
@@ -362,10 +372,17 @@ class PressureSoak:
                  f"{self.mean_context:.0f} tokens, pool {self.pool_tokens} tokens (start-up minimum "
                  f"{self.pool_minimum}), max_model_len {self.max_model_len}, KV cache {self.kv_cache_bytes} bytes")
         results = {}
-        for mode in modes:
-            results[mode] = self.run_mode(mode)
-            r = results[mode]
-            self.log(f"[pressure] {mode}: " + json.dumps({k: r[k] for k in SUMMARY}))
+        # Every mode's server starts at once (their start-ups overlap; the traffic runs one mode at
+        # a time, the other servers idle).
+        launched = {mode: self.launch(mode) for mode in modes}
+        try:
+            for mode in modes:
+                results[mode] = self.run_mode(mode, launched.pop(mode))
+                r = results[mode]
+                self.log(f"[pressure] {mode}: " + json.dumps({k: r[k] for k in SUMMARY}))
+        finally:
+            for server, _, _ in launched.values():
+                server.stop()
         return {
             "passed": all(r["passed"] for r in results.values()),
             "modes": results,
