@@ -1,16 +1,16 @@
 """CI-sized run of ``perf/answers/bench_blend.py`` (``--quick``): the benchmark that decides works end to end.
 
-One run, as a user runs it (its ``main``, in this process: ``inprocess``): ``--quick`` (4 prompts, one of each task family: ``fact``,
-``paraphrase``, ``two_hop``, ``which_doc``; 3 documents of ~80 tokens, a 14-token continuation) with
-vanilla, the question-aware policy (the default's, the baseline) and cacheblend r=1 (the exactness
-anchor), ``--enforce-eager`` (vLLM's compile would take longer than the run); each further setting
-costs ~20 s and runs through the same loop, so the others (isolated, blend none) run in the
-benchmark's own ``--quick`` and the settings' refinements (key temperature, scoring depth) are
-checked as the extra_args they send. Asserts that it exits 0 with its checks passed, that every
-setting has a row over every prompt with each metric and its 95 % bootstrap interval around it
-(overall and per task family), and that the exactness anchors hold: vanilla against itself and
-cacheblend r=1 against vanilla stay below ``FULL_KL_TOL``. Quality and timings are not asserted
-(four prompts decide nothing).
+One run, as a user runs it (its ``main``, in this process: ``inprocess``): ``--quick`` (4 prompts,
+one of each task family: ``fact``, ``paraphrase``, ``two_hop``, ``which_doc``; 3 documents of ~80
+tokens, a 14-token continuation) with vanilla, the question-aware policy (the default's, the
+baseline) and cacheblend r=1 (the exactness anchor), ``--enforce-eager`` (vLLM's compile would take
+longer than the run); each further setting costs ~20 s and runs through the same loop, so the others
+(isolated, blend none) run in the benchmark's own ``--quick`` and the settings' refinements (key
+temperature, scoring depth) are checked as the extra_args they send. Asserts that it exits 0 with
+its checks passed, that every setting has a row over every prompt with each metric and its 95 %
+bootstrap interval around it (overall and per task family), and that the exactness anchors hold:
+vanilla against itself and cacheblend r=1 against vanilla stay below ``FULL_KL_TOL``. Quality and
+timings are not asserted (four prompts decide nothing).
 """
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
-"""CI-sized run of ``perf/answers/bench_oracle_quality.py`` (``--quick``): the oracle's quality benchmark works
-end to end. One run as a user runs it (its ``main``, in this process: ``inprocess``; 4 prompts, one per task family, 3 documents of ~80
-tokens; ``SETTINGS``, the ones asserted here): it exits 0 with its checks passed, every setting has
-a row over every prompt with exact match, KL and their 95 % intervals around them (overall and per
-family), full prefill is its own reference and recomputing every chunk token equals it. Quality is
-not asserted (four prompts decide nothing)."""
+"""CI-sized run of ``perf/answers/bench_oracle_quality.py`` (``--quick``): the oracle's quality benchmark
+works end to end. One run as a user runs it (its ``main``, in this process: ``inprocess``; 4 prompts,
+one per task family, 3 documents of ~80 tokens; ``SETTINGS``, the ones asserted here): it exits 0 with
+its checks passed, every setting has a row over every prompt with exact match, KL and their 95 %
+intervals around them (overall and per family), full prefill is its own reference and recomputing every
+chunk token equals it. Quality is not asserted (four prompts decide nothing)."""
 from __future__ import annotations
 
 import json
