@@ -4,6 +4,7 @@ import json
 import pytest
 
 from graphchunk.reference import models
+from inprocess import run_main
 
 TINY_GRID = """
 backend = "vllm"
@@ -17,19 +18,17 @@ question_tokens = [8, 16]
 
 
 @pytest.mark.slow
-def test_warmup_starts_the_engine_on_the_grid_and_writes_a_manifest(tmp_path, capsys):
-    """The console script's ``main`` in this process (its engine starts as a user's would, without
-    another interpreter importing torch and vLLM first)."""
+def test_warmup_starts_the_engine_on_the_grid_and_writes_a_manifest(tmp_path):
+    """The console script's ``main`` in this process (``inprocess``)."""
     from graphchunk.tools import warmup as tool
 
     grid = tmp_path / "tiny.toml"
     grid.write_text(TINY_GRID)
     manifest_path = tmp_path / "manifest.json"
     model = str(models.tiny_checkpoint("llama3"))
-    code = tool.main(["--templates", str(grid), "--model", model, "--dtype", "float32", "--max-model-len", "1024",
-                      "--manifest", str(manifest_path)])
-    done = capsys.readouterr()
-    assert code == 0, done.err[-3000:]
+    done = run_main(tool.main, ["--templates", str(grid), "--model", model, "--dtype", "float32",
+                                "--max-model-len", "1024", "--manifest", str(manifest_path)], ["graphchunk-warmup"])
+    assert done.returncode == 0, done.stderr[-3000:]
     manifest = json.loads(manifest_path.read_text())
     assert (manifest["grid"], manifest["backend"], manifest["model"], manifest["dtype"]) == (
         str(grid), "vllm", model, "torch.float32")
@@ -38,18 +37,19 @@ def test_warmup_starts_the_engine_on_the_grid_and_writes_a_manifest(tmp_path, ca
     assert manifest["outside_buckets"] == {"replayed": 0, "padded": 0, "eager": 0}
     # as the server runs: vLLM's own compilation on; on CPU one dynamic-shape graph, no capture sizes
     assert manifest["vllm_graphs"]["compilation_mode"] == "DYNAMO_TRACE_ONCE"
-    assert "vLLM: compilation DYNAMO_TRACE_ONCE" in done.out
-    assert "2 buckets, token counts [8, 16]; among vLLM's capture sizes: none" in done.out
+    assert "vLLM: compilation DYNAMO_TRACE_ONCE" in done.stdout
+    assert "2 buckets, token counts [8, 16]; among vLLM's capture sizes: none" in done.stdout
 
 
 @pytest.mark.parametrize("backend", ["tensorrt", "compile"])
-def test_warmup_refuses_a_bad_grid_before_starting_an_engine(tmp_path, capsys, backend):
+def test_warmup_refuses_a_bad_grid_before_starting_an_engine(tmp_path, backend):
     """In this process (the refusal comes before any engine; an exception would fail the test)."""
     from graphchunk.tools import warmup as tool
 
     grid = tmp_path / "bad.toml"
     grid.write_text(TINY_GRID.replace('"vllm"', f'"{backend}"'))
-    assert tool.main(["--templates", str(grid)]) == 2
-    stderr = capsys.readouterr().err
+    done = run_main(tool.main, ["--templates", str(grid)], ["graphchunk-warmup"])
+    assert done.returncode == 2
+    stderr = done.stderr
     assert "graphchunk-warmup: error:" in stderr and "bad.toml" in stderr
     assert f"backend '{backend}' is not supported: graphchunk's own graph templates were removed" in stderr

@@ -80,8 +80,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
-from graphchunk.tools.serve_demo import free_port
+from graphchunk.tools.serve_demo import VllmServer, free_port
 from perf.common import harness as H
 from perf.common.client import Dispatcher, Estimates, Outcome, client_threads, count_statuses
 from perf.common.server import KV_USAGE, LEAK_GAUGES, Servers
@@ -112,6 +113,14 @@ def mode_settings(mode: str, args, pool_tokens: int, max_chunk_len: int) -> dict
 
 
 # --- the run ------------------------------------------------------------------------------------
+
+class Launched(NamedTuple):
+    """A mode's server started but not waited for (``PressureSoak.launch``)."""
+    server: VllmServer
+    port: int
+    settings: dict
+    faults_off: Path  # the file whose existence stops the injected fill failures
+
 
 class PressureSoak:
     def __init__(self, args, log=print):
@@ -151,8 +160,8 @@ class PressureSoak:
         self.servers = Servers(self.model_path, flags, self.pool_tokens, self.max_chunk_len, self.log_dir, log)
         self.references: References | None = None
 
-    def launch(self, mode: str) -> tuple:
-        """Starts the mode's server without waiting for it: (server, port, its faults-off file)."""
+    def launch(self, mode: str) -> "Launched":
+        """Starts the mode's server without waiting for it."""
         a = self.args
         port = free_port()
         settings = mode_settings(mode, a, self.pool_tokens, self.max_chunk_len)
@@ -165,13 +174,12 @@ class PressureSoak:
                    "PYTHONPATH": os.pathsep.join(p for p in (str(H.REPO), os.environ.get("PYTHONPATH", "")) if p)}
         server = self.servers.launch(f"graphchunk-{mode}", worker, None, port, log_requests=True, settings=settings,
                                      env=env)
-        return server, port, faults_off
+        return Launched(server, port, settings, faults_off)
 
-    def run_mode(self, mode: str, launched: tuple) -> dict:
+    def run_mode(self, mode: str, launched: "Launched") -> dict:
         """The mode's traffic and checks on its launched server (``launch``), which it stops."""
         a = self.args
-        server, port, faults_off = launched
-        settings = mode_settings(mode, a, self.pool_tokens, self.max_chunk_len)
+        server, port, settings, faults_off = launched
         self.servers.incarnation = mode
         self.servers.adopt(f"graphchunk-{mode}", server)
         estimates = Estimates()
@@ -381,8 +389,8 @@ class PressureSoak:
                 r = results[mode]
                 self.log(f"[pressure] {mode}: " + json.dumps({k: r[k] for k in SUMMARY}))
         finally:
-            for server, _, _ in launched.values():
-                server.stop()
+            for left in launched.values():
+                left.server.stop()
         return {
             "passed": all(r["passed"] for r in results.values()),
             "modes": results,
