@@ -11,8 +11,12 @@ Ascend, captures its graphs at its capture sizes, which include the grid's token
 (compilation mode, cudagraph mode, capture sizes) and which grid token counts are among the capture
 sizes, and writes the manifest as JSON (``GraphChunkLLM.templates_manifest()``: the grid, vLLM's
 graphs, per bucket the steps counted so far) with the model, dtype and machine. The compiled
-kernels land in vLLM's ``torch_compile_cache`` and torch inductor's on-disk cache, so a server
-started later with the same model and dtype loads them.
+kernels land in vLLM's ``torch_compile_cache``, keyed by the engine's whole configuration
+(graphchunk's settings among it), so a server started later on the same model and settings can
+load them. On CPU (vLLM 0.32, torch 2.13) vLLM's AOT-compiled artifact does not load ("'function'
+object has no attribute 'finalize_loading'") and every start compiles again; with
+``VLLM_USE_AOT_COMPILE=0`` vLLM loads its other compile cache (the tests' SmolLM2 engine: 90 s of
+start-up compiling, 19 s loading).
 """
 from __future__ import annotations
 
