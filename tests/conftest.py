@@ -11,6 +11,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
+import engines  # noqa: E402
+
 from graphchunk.reference import models  # noqa: E402
 from graphchunk.reference.oracle import Oracle  # noqa: E402
 
@@ -116,22 +118,31 @@ GC_LLM_TEMPLATES = Path(__file__).parent / "data" / "templates.toml"
 """The bucket grid counting how each cached-chunk prefill ran on vLLM's compiled graph."""
 
 
-@pytest.fixture(scope="session")
-def gc_llm(smollm2_path):
+def build_gc_llm():
     """One GraphChunkLLM engine (SmolLM2-135M, fp32, prefix caching on, vLLM's own compilation on
     as a user gets it — no --enforce-eager — with the test grid's buckets counted) for the whole
-    session; starting one takes ~1.5 min of vLLM's compile on a cold inductor cache."""
+    session (``gc_llm``); starting one takes ~1.5 min of vLLM's compile on a cold inductor cache."""
     from graphchunk import GraphChunkLLM
 
-    llm = GraphChunkLLM(str(smollm2_path), dtype="float32", max_model_len=2048,
-                        gpu_memory_utilization=0.3, kv_cache_memory_bytes=1 << 30,
-                        max_num_batched_tokens=GC_LLM_MAX_BATCHED_TOKENS, block_size=GC_LLM_BLOCK_SIZE,
-                        enable_prefix_caching=True,
-                        graphchunk={"pool_tokens": 8192, "templates": str(GC_LLM_TEMPLATES), "mode": "isolated"})
-    try:
-        yield llm
-    finally:
-        llm.shutdown()
+    return GraphChunkLLM(str(models.smollm2_path()), dtype="float32", max_model_len=2048,
+                         gpu_memory_utilization=0.3, kv_cache_memory_bytes=1 << 30,
+                         max_num_batched_tokens=GC_LLM_MAX_BATCHED_TOKENS, block_size=GC_LLM_BLOCK_SIZE,
+                         enable_prefix_caching=True,
+                         graphchunk={"pool_tokens": 8192, "templates": str(GC_LLM_TEMPLATES), "mode": "isolated"})
+
+
+gc_llm = engines.fixture(build_gc_llm, "gc_llm", scope="session")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def engines_closed():
+    """Every engine closed before the session ends (``engines.finish``; torn down last)."""
+    yield
+    engines.finish()
+
+
+def pytest_runtest_setup(item):
+    engines.start_next(item)
 
 
 # --- the record of every difference from the oracle (``--record-differences FILE``) ---------------

@@ -12,10 +12,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import engines
 from exactness import LIMITS, MAX_TOKENS, Reference, assert_matches_reference, blend_reference, joined_sources, \
     measured, sampling  # noqa: F401
 from graphchunk.blend.recompute import cacheblend_tokens
 from graphchunk.llm import RagPrompt
+from graphchunk.reference import models
 from graphchunk.segments import split_at
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_oracle_thread")]
@@ -23,18 +25,16 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_oracle_thread")]
 QUESTION = {"graphchunk_mode": "blend", "graphchunk_recompute": "question", "graphchunk_recompute_ratio": 0.3}
 
 
-@pytest.fixture(scope="module")
-def context_llm(smollm2_path):
+def build_context_llm():
     """An engine of its own (blend_entries is a deployment setting), eager to start fast."""
     from graphchunk import GraphChunkLLM
 
-    llm = GraphChunkLLM(str(smollm2_path), dtype="float32", max_model_len=2048, kv_cache_memory_bytes=1 << 29,
-                        enforce_eager=True, max_num_batched_tokens=512, enable_prefix_caching=True,
-                        graphchunk={"pool_tokens": 8192, "mode": "blend", "blend_entries": "context"})
-    try:
-        yield llm
-    finally:
-        llm.shutdown()
+    return GraphChunkLLM(str(models.smollm2_path()), dtype="float32", max_model_len=2048, kv_cache_memory_bytes=1 << 29,
+                         enforce_eager=True, max_num_batched_tokens=512, enable_prefix_caching=True,
+                         graphchunk={"pool_tokens": 8192, "mode": "blend", "blend_entries": "context"})
+
+
+context_llm = engines.fixture(build_context_llm, "context_llm")
 
 
 def test_the_oracle_s_contextual_kv_moves_keys_as_hf_computes_them(oracle, paragraphs, tokenizer):

@@ -11,9 +11,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import engines
 from exactness import LIMITS, MAX_TOKENS, Reference, assert_matches_reference, joined_sources, sampling
 from graphchunk.blend.recompute import cacheblend_tokens
 from graphchunk.llm import RagPrompt
+from graphchunk.reference import models
 from graphchunk.segments import split_at
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_oracle_thread")]
@@ -22,20 +24,18 @@ PREFIX = "Here is a document.\n\n"
 QUESTION = {"graphchunk_mode": "blend", "graphchunk_recompute": "question", "graphchunk_recompute_ratio": 0.3}
 
 
-@pytest.fixture(scope="module")
-def prefix_llm(smollm2_path):
+def build_prefix_llm():
     """An engine of its own (blend_prefix is a deployment setting), eager to start fast; its blend
     requests wait for their misses (blend_misses 'blend'), so a first request blends too."""
     from graphchunk import GraphChunkLLM
 
-    llm = GraphChunkLLM(str(smollm2_path), dtype="float32", max_model_len=2048, kv_cache_memory_bytes=1 << 29,
-                        enforce_eager=True, max_num_batched_tokens=512, enable_prefix_caching=True,
-                        graphchunk={"pool_tokens": 8192, "mode": "blend", "blend_misses": "blend",
-                                    "blend_prefix": PREFIX})
-    try:
-        yield llm
-    finally:
-        llm.shutdown()
+    return GraphChunkLLM(str(models.smollm2_path()), dtype="float32", max_model_len=2048, kv_cache_memory_bytes=1 << 29,
+                         enforce_eager=True, max_num_batched_tokens=512, enable_prefix_caching=True,
+                         graphchunk={"pool_tokens": 8192, "mode": "blend", "blend_misses": "blend",
+                                     "blend_prefix": PREFIX})
+
+
+prefix_llm = engines.fixture(build_prefix_llm, "prefix_llm")
 
 
 def test_chunks_computed_after_the_prefix_are_blended_as_hf_does(prefix_llm, oracle, paragraphs, tokenizer):

@@ -17,14 +17,19 @@ see a segmented request's tokens as an ordinary prompt's, docs/limits.md), and w
 from __future__ import annotations
 
 import socket
+import time
 
 import pytest
 
+import engines
 from exactness import LIMITS, assert_matches_oracle, joined_sources, sampling
 from graphchunk.llm import RagPrompt
+from graphchunk.reference import models
 from graphchunk.segments import split_at
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_oracle_thread")]
+
+EVENTS_DEADLINE_S = 60.0
 
 
 def _free_port() -> int:
@@ -33,14 +38,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def port():
-    return _free_port()
-
-
-@pytest.fixture(scope="module")
-def subscriber(port):
-    """A ZMQ subscriber of vLLM's KV-event stream, connected before the engine publishes."""
+def subscribe(port: int):
+    """A ZMQ subscriber of vLLM's KV-event stream on ``port`` (and its context)."""
     import zmq
 
     context = zmq.Context()
@@ -48,6 +47,13 @@ def subscriber(port):
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.setsockopt(zmq.RCVTIMEO, 200)
     sub.connect(f"tcp://127.0.0.1:{port}")
+    return sub, context
+
+
+@pytest.fixture(scope="module")
+def subscriber(multi_llm):
+    """The subscriber the engine's build connected before it started the engine."""
+    sub, context = multi_llm.subscriber
     yield sub
     sub.close(linger=0)
     context.term()
@@ -55,22 +61,29 @@ def subscriber(port):
 
 @pytest.fixture(scope="module")
 def events(subscriber):
-    """``events()``: the KV events published since the last call; ``events.seen``: all so far."""
+    """``events(until=None)``: the KV events published since the last call, read until
+    ``until(found)`` holds (or ``EVENTS_DEADLINE_S`` passed), or, without ``until``, until none came
+    for 200 ms; ``events.seen``: all so far. vLLM publishes a step's events after the step, from a
+    thread of its own: on a busy machine they may come later than the request's output."""
     import msgspec
     import zmq
     from vllm.distributed.kv_events import KVEventBatch
 
     decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
 
-    def take() -> list:
+    def take(until=None) -> list:
         found = []
-        while True:
+        deadline = time.monotonic() + EVENTS_DEADLINE_S
+        while not (until and until(found)) and time.monotonic() < deadline:
             try:
                 _topic, _seq, payload = subscriber.recv_multipart()
             except zmq.Again:
-                take.seen += found
-                return found
+                if until is None:
+                    break
+                continue
             found += decoder.decode(payload).events
+        take.seen += found
+        return found
 
     take.seen = []
     return take
@@ -80,27 +93,27 @@ def graphchunk_events(found, kind) -> list:
     return [e for e in found if isinstance(e, kind) and e.medium == "graphchunk"]
 
 
-@pytest.fixture(scope="module")
-def multi_llm(smollm2_path, tmp_path_factory, port, subscriber):
+def build_multi_llm():
     from vllm.config import KVEventsConfig, KVTransferConfig
 
     from graphchunk import GraphChunkLLM
 
-    storage = tmp_path_factory.mktemp("example_connector")
+    storage, port = engines.scratch("example-connector"), _free_port()
+    subscriber = subscribe(port)  # before the engine publishes anything
     transfer = KVTransferConfig(kv_connector="MultiConnector", kv_role="kv_both", kv_connector_extra_config={
         "connectors": [{"kv_connector": "GraphChunkConnector", "kv_role": "kv_consumer"},
                        {"kv_connector": "ExampleConnector", "kv_role": "kv_consumer",
                         "kv_connector_extra_config": {"shared_storage_path": str(storage)}}]})
     events = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://*:{port}")
-    llm = GraphChunkLLM(str(smollm2_path), dtype="float32", max_model_len=1024, kv_cache_memory_bytes=1 << 28,
-                        max_num_batched_tokens=512, block_size=32, enable_prefix_caching=True, enforce_eager=True,
-                        kv_transfer_config=transfer, kv_events_config=events,
-                        graphchunk={"pool_tokens": 4096, "mode": "isolated"})
-    llm.storage = storage
-    try:
-        yield llm
-    finally:
-        llm.shutdown()
+    llm = GraphChunkLLM(str(models.smollm2_path()), dtype="float32", max_model_len=1024,
+                        kv_cache_memory_bytes=1 << 28, max_num_batched_tokens=512, block_size=32,
+                        enable_prefix_caching=True, enforce_eager=True, kv_transfer_config=transfer,
+                        kv_events_config=events, graphchunk={"pool_tokens": 4096, "mode": "isolated"})
+    llm.storage, llm.subscriber = storage, subscriber
+    return llm
+
+
+multi_llm = engines.fixture(build_multi_llm, "multi_llm")
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +133,8 @@ def test_a_segmented_request_is_graphchunks_and_exact(multi_llm, oracle, text, e
     seg = split_at(ids, boundaries, **LIMITS)
     assert out.num_cached_tokens == seg.layout.context_len
     assert_matches_oracle(out, seg, oracle)
-    stored = graphchunk_events(events(), BlockStored)
+    stored = graphchunk_events(events(until=lambda found: len(graphchunk_events(found, BlockStored)) >= 3),
+                               BlockStored)
     sys_tokens = list(seg.sys_tokens)
     assert [e.token_ids for e in stored] == [sys_tokens] + [sys_tokens + list(seg.chunk_tokens(i)) for i in range(2)]
     block_size = 32  # the engine's block_size
@@ -148,5 +162,7 @@ def test_a_pool_reset_publishes_the_entries_removal(multi_llm, events):
     assert len(stored) >= 3  # the segmented request's sys prompt and two chunks
     assert multi_llm.reset_pool()
     multi_llm.generate([{"prompt_token_ids": [1, 2, 3]}], sampling(1))  # a step: vLLM publishes after it
-    removed = {bytes(h) for e in graphchunk_events(events(), BlockRemoved) for h in e.block_hashes}
-    assert removed == stored
+    def removed(found) -> set:
+        return {bytes(h) for e in graphchunk_events(found, BlockRemoved) for h in e.block_hashes}
+
+    assert removed(events(until=lambda found: removed(found) >= stored)) == stored

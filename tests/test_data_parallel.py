@@ -15,7 +15,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from pydoc_data.topics import topics
 
+import engines
 from graphchunk.documents import document_messages, hf_render, place_documents
+from graphchunk.reference import models
 from graphchunk.segments import split_at
 from graphchunk.tools.serve_demo import SERVER_FLAGS, VllmServer
 
@@ -28,9 +30,9 @@ SYS = "You answer from the documents; the data-parallel test."
 DOCS = [{"title": t, "text": " ".join(topics[t].replace("#", "").split()[:45])} for t in ("for", "del", "global")]
 
 
-@pytest.fixture(scope="module")
-def server(smollm2_path, tmp_path_factory):
-    srv = VllmServer(smollm2_path, dtype="float32", graphchunk={**GC, "store_path": str(tmp_path_factory.mktemp("dp-tier"))},
+def build_server() -> VllmServer:
+    tier = engines.scratch("dp-tier")
+    srv = VllmServer(models.smollm2_path(), dtype="float32", graphchunk={**GC, "store_path": str(tier)},
                      flags=[*SERVER_FLAGS, "--max-model-len", "2048", "--block-size", "32",
                             "--data-parallel-size", "2", "--api-server-count", "1"])
     srv.start()
@@ -39,10 +41,10 @@ def server(smollm2_path, tmp_path_factory):
     except Exception as exc:
         srv.stop()
         pytest.fail(f"the data-parallel server did not start: {exc}", pytrace=False)
-    try:
-        yield srv
-    finally:
-        srv.stop()
+    return srv
+
+
+server = engines.fixture(build_server, "server")
 
 
 def ask(server, tokenizer, oracle, order) -> None:

@@ -43,11 +43,13 @@ import warnings
 import pytest
 import torch
 
+import engines
 import gpu_style
 from exactness import (BLEND_FULL, BLEND_NONE, FIRST_TOKEN_TOL, LIMITS, LOGPROB_TOL,
                        assert_matches_oracle, assert_matches_reference, blend_reference, make_splitter,
                        joined_sources, measured, run, sampling)  # noqa: F401 (measured: the module's fixture)
 from graphchunk.llm import RagPrompt
+from graphchunk.reference import models
 from graphchunk.segments import split_at
 
 BLOCK_SIZE = 32
@@ -142,22 +144,20 @@ def test_flex_attention_stand_in_equals_torch_flex_attention():
 
 # --- the engine ----------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def flex_llm(smollm2_path):
+def build_flex_llm():
     """A GraphChunkLLM whose worker runs vLLM's FlexAttention backend in layout LBNHC. The
     override reaches the worker's own process through ``worker_extension_cls`` (``gpu_style``)."""
     from graphchunk import GraphChunkLLM
 
-    llm = GraphChunkLLM(str(smollm2_path), dtype="float32", max_model_len=2048, gpu_memory_utilization=0.3,
-                        kv_cache_memory_bytes=1 << 30, max_num_batched_tokens=MAX_BATCHED_TOKENS,
-                        block_size=BLOCK_SIZE, enable_prefix_caching=True, enforce_eager=True,
-                        attention_config={"backend": gpu_style.FLEX},
-                        worker_extension_cls="gpu_style.FlexAttentionOnCpu",
-                        graphchunk={"pool_tokens": 8192, "mode": "isolated"})
-    try:
-        yield llm
-    finally:
-        llm.shutdown()
+    return GraphChunkLLM(str(models.smollm2_path()), dtype="float32", max_model_len=2048, gpu_memory_utilization=0.3,
+                         kv_cache_memory_bytes=1 << 30, max_num_batched_tokens=MAX_BATCHED_TOKENS,
+                         block_size=BLOCK_SIZE, enable_prefix_caching=True, enforce_eager=True,
+                         attention_config={"backend": gpu_style.FLEX},
+                         worker_extension_cls="gpu_style.FlexAttentionOnCpu",
+                         graphchunk={"pool_tokens": 8192, "mode": "isolated"})
+
+
+flex_llm = engines.fixture(build_flex_llm, "flex_llm")
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import pytest
 
+import engines
 from exactness import FIRST_TOKEN_TOL, LIMITS, MAX_TOKENS, assert_matches_oracle, joined_sources, sampling
 from graphchunk.llm import RagPrompt
+from graphchunk.reference import models
 from graphchunk.segments import split_at
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_oracle_thread")]
@@ -33,19 +35,17 @@ DOC_TOKENS = 200  # behind a 20-token sys prompt an entry holds 220 tokens: 7 bl
 STATS = ("lookups", "hits", "misses", "evictions")
 
 
-@pytest.fixture(scope="module")
-def small_pool_llm(smollm2_path):
+def build_small_pool_llm():
     from graphchunk import GraphChunkLLM
 
-    llm = GraphChunkLLM(str(smollm2_path), dtype="float32", max_model_len=MAX_MODEL_LEN,
-                        kv_cache_memory_bytes=1 << 28, max_num_batched_tokens=MAX_BATCHED_TOKENS,
-                        block_size=BLOCK_SIZE, enable_prefix_caching=True, enforce_eager=True,
-                        graphchunk={"pool_tokens": POOL_BLOCKS * BLOCK_SIZE, "max_chunk_len": MAX_CHUNK_LEN,
-                                    "mode": "isolated"})
-    try:
-        yield llm
-    finally:
-        llm.shutdown()
+    return GraphChunkLLM(str(models.smollm2_path()), dtype="float32", max_model_len=MAX_MODEL_LEN,
+                         kv_cache_memory_bytes=1 << 28, max_num_batched_tokens=MAX_BATCHED_TOKENS,
+                         block_size=BLOCK_SIZE, enable_prefix_caching=True, enforce_eager=True,
+                         graphchunk={"pool_tokens": POOL_BLOCKS * BLOCK_SIZE, "max_chunk_len": MAX_CHUNK_LEN,
+                                     "mode": "isolated"})
+
+
+small_pool_llm = engines.fixture(build_small_pool_llm, "small_pool_llm")
 
 
 def _generate(llm, oracle, prompts: list) -> dict:

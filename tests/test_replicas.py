@@ -25,6 +25,7 @@ import pytest
 import torch
 from pydoc_data.topics import topics
 
+import engines
 from graphchunk.config import GraphChunkConfig
 from graphchunk.documents import document_messages, hf_render, place_documents
 from graphchunk.reference.oracle import Oracle
@@ -51,29 +52,32 @@ def words(topic: str, count: int) -> str:
 DOCS = [{"title": topic, "text": words(topic, 45)} for topic in ("while", "return", "import")]
 
 
-@pytest.fixture(scope="module")
-def args():
+def quick_args():
     return H.parse_with_quick(bench_replicas.build_parser(), ["--quick", "--policies", "kv_aware"],
                               bench_replicas.QUICK)
 
 
 @pytest.fixture(scope="module")
-def fleet(args, tmp_path_factory):
+def args():
+    return quick_args()
+
+
+def build_fleet() -> Replicas:
     if router_program() is None:
         pytest.fail("vllm-router is not installed: the test extra installs it (pip install -e '.[cpu,test]')",
                     pytrace=False)
-    logs = tmp_path_factory.mktemp("replicas")
+    args = quick_args()
     replicas = Replicas(H.resolve_model(args.model), n=2, dtype=args.dtype, graphchunk={"mode": args.mode},
-                        tier=tmp_path_factory.mktemp("shared-tier"), flags=server_flags(args),
-                        policy="kv_aware", block_size=args.block_size, log_dir=logs)
+                        tier=engines.scratch("shared-tier"), flags=server_flags(args),
+                        policy="kv_aware", block_size=args.block_size, log_dir=engines.scratch("replicas"))
     try:
         replicas.start(STARTUP_TIMEOUT_S)
     except Exception as exc:
         pytest.fail(f"the replicas did not start: {exc}", pytrace=False)
-    try:
-        yield replicas
-    finally:
-        replicas.stop()
+    return replicas
+
+
+fleet = engines.fixture(build_fleet, "fleet")
 
 
 @pytest.fixture(scope="module")

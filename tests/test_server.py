@@ -14,10 +14,12 @@ import urllib.request
 import pytest
 from pydoc_data.topics import topics
 
+import engines
 from conftest import GC_LLM_TEMPLATES
 from exactness import blend_reference, string_parts_render
 from graphchunk.documents import DOCUMENT_PART, document_messages, hf_render, place_document_parts, place_documents
 from graphchunk.layout import Layout
+from graphchunk.reference import models
 from graphchunk.segments import SeparatorSplitter, split_at
 from graphchunk.tools.serve_demo import SERVER_FLAGS, VllmServer
 
@@ -41,10 +43,9 @@ def words(topic: str, count: int) -> str:
 DOCS = [words("assert", 60), words("break", 40), words("pass", 50)]
 
 
-@pytest.fixture(scope="module")
-def server(smollm2_path, tmp_path_factory):
-    store = tmp_path_factory.mktemp("server-tier")  # with a persistent tier: every entry written through
-    srv = VllmServer(smollm2_path, dtype="float32", graphchunk={**GC, "store_path": str(store)},
+def build_server() -> VllmServer:
+    store = engines.scratch("server-tier")  # with a persistent tier: every entry written through
+    srv = VllmServer(models.smollm2_path(), dtype="float32", graphchunk={**GC, "store_path": str(store)},
                      flags=[*SERVER_FLAGS, "--max-model-len", str(MAX_MODEL_LEN), "--block-size", "32",
                             "--enable-scale-out"],  # vLLM's /render and /inference/v1/generate
                      env={"VLLM_ENABLE_COHERE_API": "1"})  # vLLM's /cohere/v2/chat, for the cohere SDK
@@ -54,10 +55,10 @@ def server(smollm2_path, tmp_path_factory):
     except Exception as exc:
         srv.stop()
         pytest.fail(f"the server did not start: {exc}", pytrace=False)
-    try:
-        yield srv
-    finally:
-        srv.stop()
+    return srv
+
+
+server = engines.fixture(build_server, "server")
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ import torch
 
 import numpy as np
 
+import engines
 from exactness import (LIMITS, MAX_TOKENS, Reference, assert_matches_oracle, assert_matches_reference,
                        blend_reference, reference, sampling)
 from graphchunk.blend.recompute import cacheblend_tokens
@@ -50,10 +51,8 @@ def tp_llm(tp_store):
             os.environ.pop("VLLM_CPU_OMP_THREADS_BIND")
         else:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = saved
-    try:
-        yield llm
-    finally:
-        llm.shutdown()
+    yield llm
+    engines.close_soon(llm)
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ import torch
 import xxhash
 from pydoc_data.topics import topics
 
+import engines
 from exactness import LIMITS, MAX_TOKENS, Reference, assert_matches_oracle, assert_matches_reference, blend_reference, \
     reference, sampling
 from graphchunk.blend.recompute import cacheblend_tokens
@@ -128,7 +129,7 @@ def engine(tiny, store, **settings):
 def server_a(tiny, store, precomputed, precomputed_documents):
     llm = engine(tiny, store)
     yield llm
-    llm.shutdown()
+    engines.close_soon(llm)
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +138,7 @@ def server_b(tiny, store, server_a):
     # prompts; its pool left unset (sized from the KV-cache budget at start-up)
     llm = engine(tiny, store, host_bytes=64 << 20, documents_fallback="ordinary", pool_tokens=0)
     yield llm
-    llm.shutdown()
+    engines.close_soon(llm)
 
 
 def run(llm, oracle, prompt: RagPrompt, salt: str | None = None) -> dict[str, float]:

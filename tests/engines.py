@@ -1,0 +1,147 @@
+"""The test modules' engines, started ahead of the tests that use them and closed behind them.
+
+Starting an engine is mostly vLLM's import in each process it spawns (engine core, worker: 10-15 s
+of one core each; vLLM spawns them on CPU), closing one mostly waiting (vLLM gives an engine core
+5 s to exit). Neither keeps both cores busy, so the session overlaps them with other tests:
+
+* ``fixture(build, name)`` makes the engine fixture ``name`` (module scope, or session scope in
+  conftest) of a zero-argument ``build``. When a module's first test starts, no start is in flight
+  and fewer than ``MAX_WAITING`` engines wait for their module, the session starts the next engine
+  a later module needs, in a thread of its own, and waits until ``build`` has spawned its first
+  process (``start_next``): that process inherits the environment of that moment, before any
+  fixture of the test ran (``GraphChunkLLM`` passes its metrics file to its engine that way). The
+  fixture takes what that start built (its exception raised there) or builds the engine then (a
+  module run alone, ``-k``), and closes it in a thread of its own (``close_soon``).
+* An engine is a ``GraphChunkLLM`` (closed by ``shutdown``) or a server (``stop``); ``scratch(name)``
+  gives a build a new directory (a tier's, a connector's storage).
+* ``finish()``, the session's last teardown: closes what was started and never taken, joins every
+  close and removes the scratch directories, raising the first failure.
+
+So at most ``MAX_WAITING`` + 2 engines are alive: the running module's, those waiting and one
+closing.
+"""
+from __future__ import annotations
+
+import shutil
+import tempfile
+import threading
+import time
+from concurrent.futures import Future
+from pathlib import Path
+
+import psutil
+import pytest
+
+SPAWN_DEADLINE_S = 120.0
+MAX_WAITING = 1
+"""A start slows the tests it overlaps whose OpenMP threads it takes a core from by more than its
+share: with two waiting, the session engine's compile ran under the benchmark modules, which lost
+about what its own module gained."""
+
+_builds: dict[tuple[str, str], object] = {}
+"""(defining module, fixture name) -> ``build``; "conftest" fixtures serve every module."""
+_started: dict[object, Future] = {}
+_taken: set = set()
+_closing: list[Future] = []
+_modules_begun: set[str] = set()
+_scratch: list[Path] = []
+
+
+def fixture(build, name: str, scope: str = "module"):
+    _builds[(build.__module__, name)] = build
+
+    @pytest.fixture(scope=scope, name=name)
+    def engine():
+        built = take(build)
+        yield built
+        close_soon(built)
+
+    return engine
+
+
+def take(build):
+    """What the start of ``build`` built (its exception raised here), or a new one."""
+    future = _started.pop(build, None)
+    _taken.add(build)
+    return future.result() if future is not None else build()
+
+
+def close_soon(engine) -> None:
+    close = engine.shutdown if hasattr(engine, "shutdown") else engine.stop
+    _closing.append(_in_thread(close, f"close {type(engine).__name__}"))
+
+
+def scratch(name: str) -> Path:
+    _scratch.append(Path(tempfile.mkdtemp(prefix=f"graphchunk-{name}-")))
+    return _scratch[-1]
+
+
+def start_next(item) -> None:
+    """At the first test of each module: starts the next engine a later module needs, unless a start
+    is in flight or ``MAX_WAITING`` engines wait."""
+    module = item.module.__name__
+    if module in _modules_begun:
+        return
+    _modules_begun.add(module)
+    if len(_started) >= MAX_WAITING or any(not future.done() for future in _started.values()):
+        return
+    build = _next_build(item)
+    if build is None:
+        return
+    children = _children()
+    future = _in_thread(build, f"start {build.__module__}.{build.__name__}")
+    _started[build] = future
+    deadline = time.monotonic() + SPAWN_DEADLINE_S
+    while not future.done() and not (_children() - children) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def finish() -> None:
+    for future in _started.values():
+        if future.exception() is None:  # a start no test took: its failure concerns no test
+            close_soon(future.result())
+    _started.clear()
+    errors = [future.exception() for future in _closing if future.exception() is not None]
+    _closing.clear()
+    while _scratch:
+        shutil.rmtree(_scratch.pop(), ignore_errors=True)
+    if errors:
+        raise errors[0]
+
+
+def _next_build(item):
+    """The first build a test of a later module needs that was neither started nor taken nor is
+    needed by this module (its fixture builds it now), or None."""
+    items = item.session.items
+    later = items[items.index(item):]
+    module = item.module.__name__
+    now = {build for other in later if other.module.__name__ == module for build in _needs(other)}
+    for other in later:
+        if other.module.__name__ in _modules_begun:
+            continue
+        for build in _needs(other):
+            if build not in _started and build not in _taken and build not in now:
+                return build
+    return None
+
+
+def _needs(item) -> list:
+    return [build for (module, name), build in _builds.items()
+            if name in item.fixturenames and module in ("conftest", item.module.__name__)]
+
+
+def _children() -> set[int]:
+    return {process.pid for process in psutil.Process().children()}
+
+
+def _in_thread(fn, name: str) -> Future:
+    future: Future = Future()
+
+    def run():
+        try:
+            future.set_result(fn())
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever takes the result
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name=name).start()
+    return future

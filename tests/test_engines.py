@@ -1,0 +1,142 @@
+"""``tests/engines.py``: which engine the session starts ahead, when, and that every engine is built
+once and closed. Fake modules, tests and engines; each build spawns a real short-lived process (the
+start waits for one)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+import engines
+
+
+class FakeEngine:
+    def __init__(self, name: str, process: subprocess.Popen, fail_close: bool = False):
+        self.name, self.process, self.fail_close, self.closed = name, process, fail_close, threading.Event()
+
+    def shutdown(self):
+        self.process.kill()
+        self.process.wait()
+        self.closed.set()
+        if self.fail_close:
+            raise RuntimeError(f"{self.name} did not close")
+
+
+class Builds:
+    """Zero-argument builds that count their calls and spawn a process living until the engine
+    closes, as an engine's start does."""
+
+    def __init__(self):
+        self.calls: list[str] = []
+
+    def make(self, name: str, module: str, fail: bool = False, fail_close: bool = False):
+        def build():
+            self.calls.append(name)
+            process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+            if fail:
+                process.kill()
+                process.wait()
+                raise RuntimeError(f"{name} did not start")
+            return FakeEngine(name, process, fail_close)
+        build.__module__, build.__name__ = module, f"build_{name}"
+        return build
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """The registry emptied for the test (the session's own is put back afterwards)."""
+    for attr, value in (("_builds", {}), ("_started", {}), ("_taken", set()), ("_closing", []),
+                        ("_modules_begun", set()), ("_scratch", [])):
+        monkeypatch.setattr(engines, attr, value)
+    return Builds()
+
+
+def session(*modules: tuple[str, list[str]]):
+    """Items of modules in order: (module name, the fixtures each of its two tests uses)."""
+    items = []
+    ns = SimpleNamespace(items=items)
+    for name, fixtures in modules:
+        module = SimpleNamespace(__name__=name)
+        items += [SimpleNamespace(module=module, fixturenames=fixtures, session=ns) for _ in range(2)]
+    return items
+
+
+def test_later_modules_engines_start_in_order_at_modules_first_tests_each_built_once(fresh):
+    builds = {name: fresh.make(name, f"test_{name}") for name in "bcd"}
+    for name, build in builds.items():
+        engines.fixture(build, f"{name}_llm")
+    items = session(("test_a", []), ("test_between", []), *((f"test_{n}", [f"{n}_llm"]) for n in "bcd"))
+
+    def begin(index):
+        engines.start_next(items[index])
+        for future in list(engines._started.values()):
+            future.result()  # done: none in flight for the next step
+
+    begin(0)
+    assert fresh.calls == ["b"]
+    begin(1)  # not a module's first test
+    begin(2)  # b waits: MAX_WAITING
+    assert fresh.calls == ["b"] and engines.MAX_WAITING == 1
+    taken = [engines.take(builds["b"])]
+    begin(4)
+    assert fresh.calls == ["b", "c"]
+    taken.append(engines.take(builds["c"]))
+    begin(6)
+    assert fresh.calls == ["b", "c", "d"]
+    taken.append(engines.take(builds["d"]))
+    begin(8)  # nothing left to start
+    assert [engine.name for engine in taken] == ["b", "c", "d"] and fresh.calls == ["b", "c", "d"]
+    for engine in taken:
+        engines.close_soon(engine)
+    engines.finish()
+    assert all(engine.closed.is_set() for engine in taken)
+
+
+def test_an_engine_the_beginning_module_needs_is_not_started_ahead_nor_a_taken_one_again(fresh):
+    build_s = fresh.make("session", "conftest")
+    engines.fixture(build_s, "gc_llm", scope="session")
+    build_c = fresh.make("c", "test_c")
+    engines.fixture(build_c, "c_llm")
+    items = session(("test_a", ["gc_llm"]), ("test_b", ["gc_llm"]), ("test_c", ["c_llm"]), ("test_d", ["gc_llm"]))
+    engines.start_next(items[0])  # test_a's own fixture builds the session engine: test_c's starts
+    assert fresh.calls == ["c"]
+    held = engines.take(build_s)
+    engines.start_next(items[2])
+    engines.start_next(items[4])  # test_d needs the session engine, already taken
+    taken = engines.take(build_c)
+    assert taken.name == "c" and fresh.calls == ["c", "session"]
+    engines.close_soon(held)
+    engines.close_soon(taken)
+    engines.finish()
+
+
+def test_a_failed_start_raises_in_the_fixture_that_takes_it(fresh):
+    build_b = fresh.make("b", "test_b", fail=True)
+    engines.fixture(build_b, "b_llm")
+    items = session(("test_a", []), ("test_b", ["b_llm"]))
+    engines.start_next(items[0])
+    with pytest.raises(RuntimeError, match="b did not start"):
+        engines.take(build_b)
+    engines.finish()
+
+
+def test_finish_closes_an_engine_nobody_took_and_raises_a_failed_close(fresh):
+    build_b = fresh.make("b", "test_b", fail_close=True)
+    engines.fixture(build_b, "b_llm")
+    items = session(("test_a", []), ("test_b", ["b_llm"]))
+    engines.start_next(items[0])  # test_b deselected: never taken
+    engine = engines._started[build_b].result()
+    with pytest.raises(RuntimeError, match="b did not close"):
+        engines.finish()
+    assert engine.closed.is_set() and not engines._started and not engines._closing
+
+
+def test_scratch_directories_are_removed_when_the_session_finishes(fresh):
+    made = [engines.scratch("tier"), engines.scratch("storage")]
+    (made[0] / "entry.bin").write_bytes(b"x")
+    assert all(path.is_dir() for path in made) and made[0] != made[1]
+    engines.finish()
+    assert not any(path.exists() for path in made)
