@@ -78,16 +78,14 @@ def test_later_modules_engines_start_in_order_at_modules_first_tests_each_built_
     begin(0)
     assert fresh.calls == ["b"]
     begin(1)  # not a module's first test
-    begin(2)  # b waits: MAX_WAITING
-    assert fresh.calls == ["b"] and engines.MAX_WAITING == 1
-    taken = [engines.take(builds["b"])]
-    begin(4)
+    begin(2)
     assert fresh.calls == ["b", "c"]
-    taken.append(engines.take(builds["c"]))
+    begin(4)  # b and c wait: MAX_WAITING
+    assert fresh.calls == ["b", "c"] and engines.MAX_WAITING == 2
+    taken = [engines.take(builds["b"])]
     begin(6)
     assert fresh.calls == ["b", "c", "d"]
-    taken.append(engines.take(builds["d"]))
-    begin(8)  # nothing left to start
+    taken += [engines.take(builds["c"]), engines.take(builds["d"])]
     assert [engine.name for engine in taken] == ["b", "c", "d"] and fresh.calls == ["b", "c", "d"]
     for engine in taken:
         engines.close_soon(engine)
