@@ -25,12 +25,13 @@ from __future__ import annotations
 import shutil
 import tempfile
 import threading
-import time
 from concurrent.futures import Future
 from pathlib import Path
 
 import psutil
 import pytest
+
+from perf.common.server import poll
 
 SPAWN_DEADLINE_S = 120.0
 MAX_WAITING = 2
@@ -90,9 +91,7 @@ def start_next(item) -> None:
     children = _children()
     future = _in_thread(build, f"start {build.__module__}.{build.__name__}")
     _started[build] = future
-    deadline = time.monotonic() + SPAWN_DEADLINE_S
-    while not future.done() and not (_children() - children) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    poll(lambda: future.done() or _children() - children, SPAWN_DEADLINE_S, interval=0.05)
 
 
 def finish() -> None:

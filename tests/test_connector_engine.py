@@ -16,7 +16,6 @@ see a segmented request's tokens as an ordinary prompt's, docs/limits.md), and w
 """
 from __future__ import annotations
 
-import socket
 import time
 
 import pytest
@@ -26,16 +25,11 @@ from exactness import LIMITS, assert_matches_oracle, joined_sources, sampling
 from graphchunk.llm import RagPrompt
 from graphchunk.reference import models
 from graphchunk.segments import split_at
+from graphchunk.tools.serve_demo import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_oracle_thread")]
 
 EVENTS_DEADLINE_S = 60.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def subscribe(port: int):
@@ -98,7 +92,7 @@ def build_multi_llm():
 
     from graphchunk import GraphChunkLLM
 
-    storage, port = engines.scratch("example-connector"), _free_port()
+    storage, port = engines.scratch("example-connector"), free_port()
     subscriber = subscribe(port)  # before the engine publishes anything
     transfer = KVTransferConfig(kv_connector="MultiConnector", kv_role="kv_both", kv_connector_extra_config={
         "connectors": [{"kv_connector": "GraphChunkConnector", "kv_role": "kv_consumer"},
@@ -162,6 +156,7 @@ def test_a_pool_reset_publishes_the_entries_removal(multi_llm, events):
     assert len(stored) >= 3  # the segmented request's sys prompt and two chunks
     assert multi_llm.reset_pool()
     multi_llm.generate([{"prompt_token_ids": [1, 2, 3]}], sampling(1))  # a step: vLLM publishes after it
+
     def removed(found) -> set:
         return {bytes(h) for e in graphchunk_events(found, BlockRemoved) for h in e.block_hashes}
 

@@ -111,21 +111,23 @@ def test_an_engine_the_beginning_module_needs_is_not_started_ahead_nor_a_taken_o
     engines.finish()
 
 
-def test_a_failed_start_raises_in_the_fixture_that_takes_it(fresh):
-    build_b = fresh.make("b", "test_b", fail=True)
+def start_one_ahead(fresh, **faults):
+    """test_a, then test_b needing ``b_llm``: test_a's first test starts b's build (``faults``: ``make``'s)."""
+    build_b = fresh.make("b", "test_b", **faults)
     engines.fixture(build_b, "b_llm")
-    items = session(("test_a", []), ("test_b", ["b_llm"]))
-    engines.start_next(items[0])
+    engines.start_next(session(("test_a", []), ("test_b", ["b_llm"]))[0])
+    return build_b
+
+
+def test_a_failed_start_raises_in_the_fixture_that_takes_it(fresh):
+    build_b = start_one_ahead(fresh, fail=True)
     with pytest.raises(RuntimeError, match="b did not start"):
         engines.take(build_b)
     engines.finish()
 
 
 def test_finish_closes_an_engine_nobody_took_and_raises_a_failed_close(fresh):
-    build_b = fresh.make("b", "test_b", fail_close=True)
-    engines.fixture(build_b, "b_llm")
-    items = session(("test_a", []), ("test_b", ["b_llm"]))
-    engines.start_next(items[0])  # test_b deselected: never taken
+    build_b = start_one_ahead(fresh, fail_close=True)  # test_b deselected: never taken
     engine = engines._started[build_b].result()
     with pytest.raises(RuntimeError, match="b did not close"):
         engines.finish()
