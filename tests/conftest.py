@@ -6,10 +6,20 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Tests may run a function inside the session engine's worker (``llm.llm.collective_rpc(fn)``, as
 # vLLM's own tests do); vLLM carries a callable between its processes only with this set.
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+# This process's OpenMP threads (torch's libgomp, which reads the variable when torch loads it)
+# wait at a barrier asleep, not spinning: the suite's processes share two cores, and a thread
+# spinning while its partner waits for a core an engine's start holds made the HF oracle ~3x slower
+# (docs/getting-started.md, "The test suite"). Engines keep OpenMP's default, as a user's run:
+# the variable is put back once torch is loaded. Waiting changes no result.
+_OMP_WAIT_POLICY = os.environ.get("OMP_WAIT_POLICY")
+os.environ["OMP_WAIT_POLICY"] = _OMP_WAIT_POLICY or "PASSIVE"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
+
+if _OMP_WAIT_POLICY is None:
+    del os.environ["OMP_WAIT_POLICY"]
 
 import engines  # noqa: E402
 
