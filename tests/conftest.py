@@ -9,10 +9,11 @@ os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 # This process's OpenMP threads (torch's libgomp, which reads the variable when torch loads it)
 # wait at a barrier asleep, not spinning: the suite's processes share two cores, and a thread
 # spinning while its partner waits for a core an engine's start holds made the HF oracle ~3x slower
-# (docs/getting-started.md, "The test suite"). Engines keep OpenMP's default, as a user's run:
+# (docs/getting-started.md, the suite's paragraph). Engines keep OpenMP's default, as a user's run:
 # the variable is put back once torch is loaded. Waiting changes no result.
 _OMP_WAIT_POLICY = os.environ.get("OMP_WAIT_POLICY")
-os.environ["OMP_WAIT_POLICY"] = _OMP_WAIT_POLICY or "PASSIVE"
+if _OMP_WAIT_POLICY is None:
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
