@@ -12,8 +12,9 @@ of one core each; vLLM spawns them on CPU), closing one mostly waiting (vLLM giv
   fixture of the test ran (``GraphChunkLLM`` passes its metrics file to its engine that way). The
   fixture takes what that start built (its exception raised there) or builds the engine then (a
   module run alone, ``-k``), and closes it in a thread of its own (``close_soon``).
-* An engine is a ``GraphChunkLLM`` (closed by ``shutdown``) or a server (``stop``); ``scratch(name)``
-  gives a build a new directory (a tier's, a connector's storage).
+* An engine is a ``GraphChunkLLM`` (closed by ``shutdown``) or a server (``stop``); a build may also
+  run console scripts to their end (``run_ahead``: a precompute, a warm-up; their results need no
+  closing) or launch a run's servers without waiting for them (``Ahead``: a soak's). ``scratch(name)`` gives a build a new directory (a tier's, a connector's storage).
 * ``finish()``, the session's last teardown: closes what was started and never taken, joins every
   close and removes the scratch directories, raising the first failure.
 
@@ -23,10 +24,13 @@ closing.
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 import tempfile
 import threading
 from concurrent.futures import Future
 from pathlib import Path
+from typing import NamedTuple
 
 import psutil
 import pytest
@@ -34,6 +38,7 @@ import pytest
 from perf.common.server import poll
 
 SPAWN_DEADLINE_S = 120.0
+RUN_AHEAD_TIMEOUT_S = 900.0
 MAX_WAITING = 2
 """Engines started and not yet taken. A start slows the tests it overlaps whose OpenMP threads it
 takes a core from by more than its share; over the whole suite two measured faster than one."""
@@ -67,8 +72,27 @@ def take(build):
 
 
 def close_soon(engine) -> None:
-    close = engine.shutdown if hasattr(engine, "shutdown") else engine.stop
-    _closing.append(_in_thread(close, f"close {type(engine).__name__}"))
+    close = getattr(engine, "shutdown", None) or getattr(engine, "stop", None)
+    if close is not None:  # a command's result (``run_ahead``) has nothing to close
+        _closing.append(_in_thread(close, f"close {type(engine).__name__}"))
+
+
+class Ahead(NamedTuple):
+    """A run a build prepared and the servers it launched for it, not waited for (a soak's): closing
+    stops them, which a run that stopped them already leaves unchanged (``VllmServer.stop``)."""
+    run: object
+    servers: tuple
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.stop()
+
+
+def run_ahead(module: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``python -m module argv`` to its end, its output captured, as a build runs a console script
+    (``env``: the environment of the build's start, for commands it runs after its first)."""
+    return subprocess.run([sys.executable, "-m", module, *argv], capture_output=True, text=True, env=env,
+                          timeout=RUN_AHEAD_TIMEOUT_S)
 
 
 def scratch(name: str) -> Path:

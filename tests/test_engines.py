@@ -140,3 +140,38 @@ def test_scratch_directories_are_removed_when_the_session_finishes(fresh):
     assert all(path.is_dir() for path in made) and made[0] != made[1]
     engines.finish()
     assert not any(path.exists() for path in made)
+
+
+def test_a_command_run_ahead_is_taken_with_its_output_and_leaves_nothing_to_close(fresh):
+    def build():
+        return engines.run_ahead("platform", ["--terse"])
+
+    build.__module__ = "test_b"
+    engines.fixture(build, "b_run")
+    engines.start_next(session(("test_a", []), ("test_b", ["b_run"]))[0])
+    done = engines.take(build)
+    assert done.returncode == 0 and done.stdout.strip() and done.args[1:3] == ["-m", "platform"]
+    engines.close_soon(done)
+    assert not engines._closing
+    engines.finish()
+
+
+class FakeServer:
+    def __init__(self):
+        self.stops = 0
+
+    def stop(self):
+        self.stops += 1
+
+
+def test_a_soaks_servers_launched_ahead_stop_when_nobody_takes_them(fresh):
+    servers = (FakeServer(), FakeServer())
+
+    def build():
+        return engines.Ahead("the soak's run", servers)
+
+    build.__module__ = "test_b"
+    engines.fixture(build, "b_soak")
+    engines.start_next(session(("test_a", []), ("test_b", ["b_soak"]))[0])  # test_b deselected: never taken
+    engines.finish()
+    assert [server.stops for server in servers] == [1, 1]

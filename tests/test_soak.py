@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+import engines
 from perf.soak import soak
 
 pytestmark = pytest.mark.slow
@@ -37,12 +38,21 @@ ARGV = ["--model", "tiny-llama3", "--requests", "300", "--concurrency", "6", "--
         "--store-bytes", str(256 << 20), "--throughput-requests", "0", "--startup-timeout", "600"]
 
 
-@pytest.fixture(scope="module")
-def result(tmp_path_factory):
-    log_dir = tmp_path_factory.mktemp("soak")
+def build_soak() -> engines.Ahead:
+    """The soak with its first server launched ahead of this module (``engines``)."""
+    log_dir = engines.scratch("soak")
     argv = [*ARGV, "--log-dir", str(log_dir), "--out", str(log_dir / "soak.json")]
-    args = soak.build_parser().parse_args(argv)
-    found = soak.Soak(args).run(shlex.join(["python", "-m", "perf.soak.soak", *argv]))
+    run = soak.Soak(soak.build_parser().parse_args(argv))
+    return engines.Ahead((run, argv, log_dir), (run.launch(),))
+
+
+soak_ahead = engines.fixture(build_soak, "soak_ahead")
+
+
+@pytest.fixture(scope="module")
+def result(soak_ahead):
+    (run, argv, log_dir), (launched,) = soak_ahead
+    found = run.run(shlex.join(["python", "-m", "perf.soak.soak", *argv]), launched)
     (log_dir / "soak.json").write_text(json.dumps(found, indent=1))
     print(json.dumps({k: v for k, v in found.items() if k not in ("memory", "per_server", "config")}, indent=1))
     return found

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import pytest
 
+import engines
 from perf.soak import pressure as soak_pressure
 
 pytestmark = pytest.mark.slow
@@ -42,13 +43,22 @@ ARGV = ["--model", "tiny-llama3", "--mode", "both", "--requests", str(REQUESTS),
         "--fail-fill-every", "5", "--startup-timeout", "600"]
 
 
-@pytest.fixture(scope="module")
-def result(tmp_path_factory):
-    log_dir = tmp_path_factory.mktemp("soak_pressure")
+def build_pressure() -> engines.Ahead:
+    """The soak with every mode's server launched ahead of this module (``engines``)."""
+    log_dir = engines.scratch("soak_pressure")
     argv = [*ARGV, "--log-dir", str(log_dir), "--out", str(log_dir / "soak_pressure.json")]
-    args = soak_pressure.build_parser().parse_args(argv)
-    found = soak_pressure.PressureSoak(args).run(list(soak_pressure.MODES),
-                                                 shlex.join(["python", "-m", "perf.soak.pressure", *argv]))
+    run = soak_pressure.PressureSoak(soak_pressure.build_parser().parse_args(argv))
+    launched = run.launch_all(list(soak_pressure.MODES))
+    return engines.Ahead((run, argv, log_dir, launched), tuple(mode.server for mode in launched.values()))
+
+
+pressure_ahead = engines.fixture(build_pressure, "pressure_ahead")
+
+
+@pytest.fixture(scope="module")
+def result(pressure_ahead):
+    run, argv, log_dir, launched = pressure_ahead.run
+    found = run.run(list(soak_pressure.MODES), shlex.join(["python", "-m", "perf.soak.pressure", *argv]), launched)
     (log_dir / "soak_pressure.json").write_text(json.dumps(found, indent=1))
     print(json.dumps({mode: {k: r[k] for k in soak_pressure.SUMMARY} for mode, r in found["modes"].items()},
                      indent=1))

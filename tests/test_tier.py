@@ -10,8 +10,11 @@ OpenAI server with a restart over a tier.
 from __future__ import annotations
 
 import json
+import os
 import struct
 import subprocess
+from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -55,68 +58,95 @@ def tiny_oracle(tiny):
     return Oracle(tiny, dtype=torch.float32)
 
 
-@pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    return tmp_path_factory.mktemp("tier")
+CORPORA = {
+    # name: (corpus lines, graphchunk-precompute's options), run in this order into one directory
+    "plain": ([{"text": d} for d in docs(3)] + [{"text": d, "mode": "blend"} for d in docs(2)], ()),
+    # --format documents: two isolated documents (one with a title), one blend
+    "documents": ([{"document": {"title": "Statements", "text": t}} for t in docs(1)]
+                  + [{"text": t} for t in docs(1)] + [{"text": t, "mode": "blend"} for t in docs(1)],
+                  ("--format", "documents")),
+    # --context list: a behind c and b, b behind a, c behind nothing but the sys prompt
+    "context": ([{**r, "text": t} for r, t in zip([{"id": "a", "context": ["c", "b"]}, {"id": "b", "context": ["a"]},
+                                                   {"id": "c", "mode": "blend"}], docs(3))],
+                ("--mode", "auto", "--context", "list")),
+}
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    path = tmp_path_factory.mktemp("corpus") / "docs.jsonl"
-    records = [{"text": d} for d in docs(3)] + [{"text": d, "mode": "blend"} for d in docs(2)]
-    path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
-    return path, records
-
-
-def _precompute(tiny, store, corpus_path, *options) -> tuple[subprocess.CompletedProcess, set]:
-    """Runs graphchunk-precompute (its console script's ``main``, in this process: ``inprocess``);
-    returns its exit code and output as a process's, and the tier files it wrote."""
-    from graphchunk.tools import precompute
-
-    argv = ["--model", tiny, "--store", str(store), "--corpus", str(corpus_path), "--sys", SYS, "--dtype", "float32",
+def precompute_argv(tiny, store, corpus_path, options) -> list[str]:
+    return ["--model", tiny, "--store", str(store), "--corpus", str(corpus_path), "--sys", SYS, "--dtype", "float32",
             "--block-size", "32", "--max-model-len", "1024", "--kv-cache-memory-bytes", str(1 << 27),
             "--mode", "isolated", *options]
-    before = tier_files(store)
-    result = run_main(precompute.main, argv, ["graphchunk-precompute"])
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result, tier_files(store) - before
+
+
+def tier_files(store) -> set:
+    return set(store.rglob("*.gckv"))
+
+
+class Precomputed(NamedTuple):
+    store: Path
+    corpora: Path
+    runs: dict  # name -> (its subprocess.CompletedProcess, the tier files it wrote)
+
+
+def build_precomputed() -> Precomputed:
+    """graphchunk-precompute over ``CORPORA`` into a new tier directory, each run its console script's
+    process: started ahead of this module (``engines``), they take a minute or more of one core."""
+    env = dict(os.environ)  # the start's, for the runs that begin while other modules' tests run
+    tiny = str(models.tiny_checkpoint("llama3"))
+    store, corpora = engines.scratch("tier"), engines.scratch("corpora")
+    runs = {}
+    for name, (records, options) in CORPORA.items():
+        path = corpora / f"{name}.jsonl"
+        path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+        before = tier_files(store)
+        done = engines.run_ahead("graphchunk.tools.precompute", precompute_argv(tiny, store, path, options), env)
+        runs[name] = (done, tier_files(store) - before)
+    return Precomputed(store, corpora, runs)
+
+
+precomputes = engines.fixture(build_precomputed, "precomputes")
 
 
 @pytest.fixture(scope="module")
-def precomputed(tiny, store, corpus):
-    return _precompute(tiny, store, corpus[0])
+def store(precomputes):
+    return precomputes.store
+
+
+def _precomputed(precomputes, name: str) -> tuple[subprocess.CompletedProcess, set]:
+    done, written = precomputes.runs[name]
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done, written
 
 
 @pytest.fixture(scope="module")
-def documents_corpus(tmp_path_factory):
-    """A --format documents corpus: two isolated documents (one with a title), one blend."""
-    path = tmp_path_factory.mktemp("corpus") / "documents.jsonl"
-    first, second, third = docs(3)
-    records = [{"document": {"title": "Statements", "text": first}}, {"text": second},
-               {"text": third, "mode": "blend"}]
-    path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
-    return path, [{"title": "Statements", "text": first}, {"text": second}, {"text": third}]
+def precomputed(precomputes):
+    return _precomputed(precomputes, "plain")
 
 
 @pytest.fixture(scope="module")
-def precomputed_documents(tiny, store, documents_corpus, precomputed):
-    return _precompute(tiny, store, documents_corpus[0], "--format", "documents")
+def precomputed_documents(precomputes):
+    return _precomputed(precomputes, "documents")
 
 
 @pytest.fixture(scope="module")
-def context_corpus(tmp_path_factory):
-    """A --context list corpus: a behind c and b, b behind a, c behind nothing but the sys prompt."""
-    path = tmp_path_factory.mktemp("corpus") / "context.jsonl"
-    a, b, c = docs(3)
-    records = [{"id": "a", "text": a, "context": ["c", "b"]}, {"id": "b", "text": b, "context": ["a"]},
-               {"id": "c", "text": c, "mode": "blend"}]
-    path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
-    return path, (a, b, c)
+def precomputed_context(precomputes):
+    return _precomputed(precomputes, "context")
 
 
 @pytest.fixture(scope="module")
-def precomputed_context(tiny, store, context_corpus, precomputed_documents):
-    return _precompute(tiny, store, context_corpus[0], "--mode", "auto", "--context", "list")
+def corpus(precomputes):
+    return precomputes.corpora / "plain.jsonl", CORPORA["plain"][0]
+
+
+@pytest.fixture(scope="module")
+def documents_corpus(precomputes):
+    return precomputes.corpora / "documents.jsonl", [r["document"] if "document" in r else {"text": r["text"]}
+                                                   for r in CORPORA["documents"][0]]
+
+
+@pytest.fixture(scope="module")
+def context_corpus(precomputes):
+    return precomputes.corpora / "context.jsonl", tuple(r["text"] for r in CORPORA["context"][0])
 
 
 def engine(tiny, store, **settings):
@@ -190,10 +220,6 @@ def test_references_are_kept_per_oracle(oracle, tiny_oracle, tokenizer):
     assert (mine.logprobs[0] - session.logprobs[0]).abs().max() > 1
 
 
-def tier_files(store) -> set:
-    return set(store.rglob("*.gckv"))
-
-
 def test_precompute_writes_every_document(precomputed):
     result, written = precomputed
     assert "5 documents" in result.stdout
@@ -265,7 +291,11 @@ def test_contextualized_entries_are_served_as_hf_computes_them_behind_their_cont
     assert_matches_reference(output, Reference(tokens, logprobs), "blend over precomputed contextualized entries")
     _, alone = tiny_oracle.blend_generate(ids, lay, picked, 1)
     assert (alone[0] - logprobs[0]).abs().max() > 1e-3
-    again, _ = _precompute(tiny, store, context_corpus[0], "--mode", "auto", "--context", "list")
+    from graphchunk.tools import precompute
+
+    again = run_main(precompute.main, precompute_argv(tiny, store, context_corpus[0], CORPORA["context"][1]),
+                     ["graphchunk-precompute"])  # in this process (``inprocess``): it starts no engine
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert "all 3 documents were written by an earlier run with these settings" in again.stdout
 
 

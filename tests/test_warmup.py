@@ -1,8 +1,14 @@
-"""``graphchunk-warmup`` end to end (its ``main``, as the console script runs it) on a tiny checkpoint."""
+"""``graphchunk-warmup`` end to end on a tiny checkpoint: its console script's process, started
+ahead of this module (``engines``: vLLM's compile holds one core for about a minute); its
+refusals in this process."""
 import json
+import subprocess
+from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
+import engines
 from graphchunk.reference import models
 from inprocess import run_main
 
@@ -17,17 +23,30 @@ question_tokens = [8, 16]
 """
 
 
-@pytest.mark.slow
-def test_warmup_starts_the_engine_on_the_grid_and_writes_a_manifest(tmp_path):
-    """The console script's ``main`` in this process (``inprocess``)."""
-    from graphchunk.tools import warmup as tool
+class Warmup(NamedTuple):
+    done: subprocess.CompletedProcess
+    grid: Path
+    manifest: Path
+    model: str
 
-    grid = tmp_path / "tiny.toml"
+
+def build_warmup() -> Warmup:
+    """``graphchunk-warmup`` on the tiny grid, its manifest in a new directory."""
+    work = engines.scratch("warmup")
+    grid, manifest = work / "tiny.toml", work / "manifest.json"
     grid.write_text(TINY_GRID)
-    manifest_path = tmp_path / "manifest.json"
     model = str(models.tiny_checkpoint("llama3"))
-    done = run_main(tool.main, ["--templates", str(grid), "--model", model, "--dtype", "float32",
-                                "--max-model-len", "1024", "--manifest", str(manifest_path)], ["graphchunk-warmup"])
+    done = engines.run_ahead("graphchunk.tools.warmup", ["--templates", str(grid), "--model", model, "--dtype",
+                                                         "float32", "--max-model-len", "1024", "--manifest", str(manifest)])
+    return Warmup(done, grid, manifest, model)
+
+
+warmup = engines.fixture(build_warmup, "warmup")
+
+
+@pytest.mark.slow
+def test_warmup_starts_the_engine_on_the_grid_and_writes_a_manifest(warmup):
+    done, grid, manifest_path, model = warmup
     assert done.returncode == 0, done.stderr[-3000:]
     manifest = json.loads(manifest_path.read_text())
     assert (manifest["grid"], manifest["backend"], manifest["model"], manifest["dtype"]) == (

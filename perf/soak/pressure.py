@@ -372,7 +372,13 @@ class PressureSoak:
             "requests_per_s": len(ok) / wall if wall else None,
         }
 
-    def run(self, modes: list[str], command: str) -> dict:
+    def launch_all(self, modes: list[str]) -> dict[str, "Launched"]:
+        """Every mode's server started at once (their start-ups overlap; the traffic runs one mode at
+        a time, the other servers idle): a caller may start them ahead of ``run``."""
+        return {mode: self.launch(mode) for mode in modes}
+
+    def run(self, modes: list[str], command: str, launched: dict[str, "Launched"] | None = None) -> dict:
+        """Every mode's traffic and checks, on the servers ``launch_all`` started (now if not given)."""
         a = self.args
         started = time.monotonic()
         self.log(f"[pressure] {len(self.trace)} bodies ({sum(len(b.prompts) for b in self.trace)} prompts) over "
@@ -380,9 +386,7 @@ class PressureSoak:
                  f"{self.mean_context:.0f} tokens, pool {self.pool_tokens} tokens (start-up minimum "
                  f"{self.pool_minimum}), max_model_len {self.max_model_len}, KV cache {self.kv_cache_bytes} bytes")
         results = {}
-        # Every mode's server starts at once (their start-ups overlap; the traffic runs one mode at
-        # a time, the other servers idle).
-        launched = {mode: self.launch(mode) for mode in modes}
+        launched = dict(launched or self.launch_all(modes))
         try:
             for mode in modes:
                 results[mode] = self.run_mode(mode, launched.pop(mode))

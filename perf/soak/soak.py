@@ -64,7 +64,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from graphchunk.tools.serve_demo import free_port
+from graphchunk.tools.serve_demo import VllmServer, free_port
 from perf.common import harness as H
 from perf.soak.check import check
 from perf.common.client import Client, Dispatcher, Estimates, Outcome, client_threads, count_statuses
@@ -189,11 +189,16 @@ class Soak:
             self.servers.mark_rss_baseline()
             self.rss_baseline_due = None
 
-    def soak(self) -> dict:
+    def launch(self) -> VllmServer:
+        """The soak pass's server, started and not waited for (``run`` waits): a caller may start it
+        ahead of ``run``."""
+        return self.servers.launch("graphchunk-0", "graphchunk.Runner", self.store_root, self.port, log_requests=True)
+
+    def soak(self, launched: VllmServer | None = None) -> dict:
         a = self.args
         n = len(self.trace)
         self.rss_baseline_due = a.warmup
-        self.servers.start("graphchunk-0", "graphchunk.Runner", self.store_root, self.port, log_requests=True)
+        self.servers.adopt("graphchunk-0", launched or self.launch())
         self.servers.start_sampler()
         barriers = {int(a.restart_at * n): "restart"} if a.restart_at > 0 else {}
         triggers = {int(a.corrupt_at * n): "corrupt_live"} if a.corrupt_at > 0 else {}
@@ -240,13 +245,14 @@ class Soak:
         self.throughput_outcomes[kind] = outcomes
         return throughput_summary(kind, len(items), outcomes, wall, m0, m1)
 
-    def run(self, command: str) -> dict:
-        """All passes; the result (``perf.soak.report.result``)."""
+    def run(self, command: str, launched: VllmServer | None = None) -> dict:
+        """All passes (the soak pass on ``launched``, if ``launch`` started it); the result
+        (``perf.soak.report.result``)."""
         a = self.args
         started = time.monotonic()
         self.log(f"[soak] {len(self.trace)} requests over {len(self.corpus.docs)} documents, working set "
                  f"{self.working_set} tokens, pool {self.pool_tokens} tokens, tier {self.store_root}")
-        soak = self.soak()
+        soak = self.soak(launched)
         outcomes = soak["outcomes"]
         restart_at = self.faults.get("restart", {}).get("at_request", -1)
         checks = check(outcomes, self.extra_outcomes, restart_at, self.encoder, self.model_path, a)
