@@ -3,8 +3,9 @@
 One run, as a user runs it (its ``main``, in this process: ``inprocess``): ``--quick`` (4 prompts,
 one of each task family: ``fact``, ``paraphrase``, ``two_hop``, ``which_doc``; 3 documents of ~80
 tokens, a 14-token continuation) with vanilla, the question-aware policy (the default's, the
-baseline) and cacheblend r=1 (the exactness anchor), ``--enforce-eager`` (vLLM's compile would take
-longer than the run); each further setting costs ~20 s and runs through the same loop, so the others
+baseline) and cacheblend r=1 (the exactness anchor), on the tiny Llama checkpoint (random weights:
+the anchors are logprob distances, which need no trained model), ``--enforce-eager`` (vLLM's compile
+would take longer than the run); each further setting runs through the same loop, so the others
 (isolated, blend none) run in the benchmark's own ``--quick`` and the settings' refinements (key
 temperature, scoring depth) are checked as the extra_args they send. Asserts that it exits 0 with
 its checks passed, that every setting has a row over every prompt with each metric and its 95 %
@@ -31,8 +32,9 @@ SETTINGS = ["vanilla", "question r=0.3", "cacheblend r=1"]
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench_blend")
-    argv = ["--quick", "--enforce-eager", "--settings", "vanilla,question:0.3,cacheblend:1.0",
-            "--baseline", "question:0.3", "--out", str(out / "blend.json"), "--plot", str(out / "blend.png")]
+    argv = ["--quick", "--model", "tiny-llama3", "--enforce-eager", "--settings",
+            "vanilla,question:0.3,cacheblend:1.0", "--baseline", "question:0.3", "--out", str(out / "blend.json"),
+            "--plot", str(out / "blend.png")]
     proc = run_main(bench_blend.main, argv, ["python", "-m", "perf.answers.bench_blend"])
     print(proc.stdout)
     result = json.loads((out / "blend.json").read_text()) if (out / "blend.json").exists() else None
