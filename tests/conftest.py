@@ -50,16 +50,13 @@ def oracle(smollm2_path):
 
 
 @pytest.fixture(scope="module")
-def one_oracle_thread():
-    """For modules running the oracle in this process next to the engine's worker (one thread,
-    pinned by vLLM) on a 2-core machine others share: two OpenMP threads spin-wait on a busy core
-    and made the oracle ~5x slower than one. Drops the module's oracle references afterwards."""
+def oracle_references():
+    """Drops the module's oracle references (``exactness.reference``'s cache) afterwards. The oracle
+    runs on this process's two threads: they wait at barriers asleep (``OMP_WAIT_POLICY`` above), so
+    an engine's worker or start beside them no longer makes two threads slower than one."""
     from exactness import clear_references
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     yield
-    torch.set_num_threads(threads)
     clear_references()
 
 

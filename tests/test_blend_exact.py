@@ -21,7 +21,7 @@ from graphchunk.engine.frontend import BOUNDARIES_ARG
 from graphchunk.llm import RagPrompt
 from graphchunk.segments import split_at
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_oracle_thread")]
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("oracle_references")]
 
 ISOLATED = {"graphchunk_mode": "isolated"}
 COUNTERS = ("lookups", "hits", "misses", "blend_lookups", "blend_hits", "blend_misses", "blend_tokens_recomputed",

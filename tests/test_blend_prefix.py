@@ -18,7 +18,7 @@ from graphchunk.llm import RagPrompt
 from graphchunk.reference import models
 from graphchunk.segments import split_at
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_oracle_thread")]
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("oracle_references")]
 
 PREFIX = "Here is a document.\n\n"
 QUESTION = {"graphchunk_mode": "blend", "graphchunk_recompute": "question", "graphchunk_recompute_ratio": 0.3}

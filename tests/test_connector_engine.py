@@ -27,7 +27,7 @@ from graphchunk.reference import models
 from graphchunk.segments import split_at
 from graphchunk.tools.serve_demo import free_port
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_oracle_thread")]
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("oracle_references")]
 
 EVENTS_DEADLINE_S = 60.0
 

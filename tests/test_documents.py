@@ -424,7 +424,7 @@ def test_documents_for_another_renderer_are_refused():
 # --- through the engine ------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_chat_documents_match_the_oracle_in_both_modes(gc_llm, oracle, tokenizer, one_oracle_thread):
+def test_chat_documents_match_the_oracle_in_both_modes(gc_llm, oracle, tokenizer, oracle_references):
     """GraphChunkLLM.chat(documents=...): the prompt is RagPrompt(chat=True)'s, one lookup per
     document, all hits reordered, answers equal to the oracle's; blend behind another system prompt."""
     docs = [{"text": f"(documents test) {d['text']}"} for d in DOCS]
@@ -448,7 +448,7 @@ def test_chat_documents_match_the_oracle_in_both_modes(gc_llm, oracle, tokenizer
 
 
 @pytest.mark.slow
-def test_a_template_that_renders_documents_through_the_engine(gc_llm, oracle, tokenizer, one_oracle_thread):
+def test_a_template_that_renders_documents_through_the_engine(gc_llm, oracle, tokenizer, oracle_references):
     """vLLM's renderer with a template that renders documents (Granite 3.3's shape, given per
     call): the prompt is place_documents', each header in its document's chunk; all hits
     reordered; answers equal to the oracle's."""
@@ -467,7 +467,7 @@ def test_a_template_that_renders_documents_through_the_engine(gc_llm, oracle, to
 
 
 @pytest.mark.slow
-def test_content_part_documents_match_the_oracle(gc_llm, oracle, tokenizer, one_oracle_thread):
+def test_content_part_documents_match_the_oracle(gc_llm, oracle, tokenizer, oracle_references):
     """Documents as content parts through vLLM's renderer (LLM.chat): the prompt is the message as
     vLLM renders it, one lookup per part, all hits reordered (per part, then per request), answers
     equal to the oracle's."""

@@ -172,8 +172,8 @@ def splitter(tokenizer):
 
 
 def engine_test(test):
-    """An end-to-end test: slow, and the oracle on one thread next to the engine's worker."""
-    return pytest.mark.slow(pytest.mark.usefixtures("one_oracle_thread")(test))
+    """An end-to-end test: slow, its oracle references dropped with the module's."""
+    return pytest.mark.slow(pytest.mark.usefixtures("oracle_references")(test))
 
 
 @pytest.mark.slow

@@ -24,7 +24,7 @@ from graphchunk.llm import RagPrompt
 from graphchunk.reference import models
 from graphchunk.segments import split_at
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_oracle_thread")]
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("oracle_references")]
 
 BLOCK_SIZE = 32
 MAX_MODEL_LEN = 768

@@ -22,7 +22,7 @@ from graphchunk.engine.frontend import BOUNDARIES_ARG, layout_fingerprint
 from graphchunk.llm import RagPrompt
 from graphchunk.segments import SegmentedPrompt, split_at
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_oracle_thread")]
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("oracle_references")]
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ from graphchunk.engine.frontend import BOUNDARIES_ARG
 from graphchunk.graphs.buckets import Bucket, RequestShape, load_grid
 from graphchunk.segments import split_at
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_oracle_thread")]
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("oracle_references")]
 
 GRID = load_grid(str(GC_LLM_TEMPLATES))
 MAX_TOKENS = 8

@@ -24,7 +24,7 @@ from graphchunk.reference import models
 from graphchunk.reference.oracle import Oracle
 from graphchunk.segments import split_at
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_oracle_thread")]
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("oracle_references")]
 
 DOCS = ["The assert statement is a convenient way to insert debugging assertions into a program.",
         "The pass statement is a null operation; nothing happens when it executes.",

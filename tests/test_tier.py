@@ -35,7 +35,7 @@ from graphchunk.reference.oracle import Oracle
 from graphchunk.segments import split_at
 from inprocess import run_main
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_oracle_thread")]
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("oracle_references")]
 
 ENGINE = dict(dtype="float32", max_model_len=1024, enforce_eager=True, kv_cache_memory_bytes=1 << 27, block_size=32)
 SYS = "Answer from the documents."
