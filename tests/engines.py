@@ -14,12 +14,13 @@ of one core each; vLLM spawns them on CPU), closing one mostly waiting (vLLM giv
   module run alone, ``-k``), and closes it in a thread of its own (``close_soon``).
 * An engine is a ``GraphChunkLLM`` (closed by ``shutdown``) or a server (``stop``); a build may also
   run console scripts to their end (``run_ahead``: a precompute, a warm-up; their results need no
-  closing) or launch a run's servers without waiting for them (``Ahead``: a soak's). ``scratch(name)`` gives a build a new directory (a tier's, a connector's storage).
+  closing) or launch a run's servers without waiting for them (``Ahead``: a soak's).
+  ``scratch(name)`` gives a build a new directory (a tier's, a connector's storage).
 * ``finish()``, the session's last teardown: closes what was started and never taken, joins every
   close and removes the scratch directories, raising the first failure.
 
-So at most ``MAX_WAITING`` + 2 engines are alive: the running module's, those waiting and one
-closing.
+So at most ``MAX_WAITING`` + 2 builds' engines are alive: the running module's, those waiting and
+one closing (the pressure soak's ``Ahead`` holds a server per mode).
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ from perf.common.server import poll
 
 SPAWN_DEADLINE_S = 120.0
 RUN_AHEAD_TIMEOUT_S = 900.0
+"""A console script a build runs to its end (``run_ahead``) is killed after this, failing the build."""
 MAX_WAITING = 2
 """Engines started and not yet taken. A start slows the tests it overlaps whose OpenMP threads it
 takes a core from by more than its share; over the whole suite two measured faster than one."""
