@@ -24,6 +24,7 @@ one closing (the pressure soak's ``Ahead`` holds a server per mode).
 """
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -52,6 +53,8 @@ _taken: set = set()
 _closing: list[Future] = []
 _modules_begun: set[str] = set()
 _scratch: list[Path] = []
+_start = threading.local()
+"""In a build's thread, ``environment``: this process's environment when ``start_next`` began it."""
 
 
 def fixture(build, name: str, scope: str = "module"):
@@ -90,11 +93,12 @@ class Ahead(NamedTuple):
             server.stop()
 
 
-def run_ahead(module: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """``python -m module argv`` to its end, its output captured, as a build runs a console script
-    (``env``: the environment of the build's start, for commands it runs after its first)."""
-    return subprocess.run([sys.executable, "-m", module, *argv], capture_output=True, text=True, env=env,
-                          timeout=RUN_AHEAD_TIMEOUT_S)
+def run_ahead(module: str, argv: list[str]) -> subprocess.CompletedProcess:
+    """``python -m module argv`` to its end, its output captured, as a build runs a console script.
+    In a build started ahead it runs in the environment of the build's start, also when it begins
+    after the build's first process, while a later module's test may have changed this process's."""
+    return subprocess.run([sys.executable, "-m", module, *argv], capture_output=True, text=True,
+                          env=getattr(_start, "environment", None), timeout=RUN_AHEAD_TIMEOUT_S)
 
 
 def scratch(name: str) -> Path:
@@ -115,7 +119,13 @@ def start_next(item) -> None:
     if build is None:
         return
     children = _children()
-    future = _in_thread(build, f"start {build.__module__}.{build.__name__}")
+    environment = dict(os.environ)  # before any fixture of the test ran
+
+    def start():
+        _start.environment = environment
+        return build()
+
+    future = _in_thread(start, f"start {build.__module__}.{build.__name__}")
     _started[build] = future
     poll(lambda: future.done() or _children() - children, SPAWN_DEADLINE_S, interval=0.05)
 

@@ -176,3 +176,26 @@ def test_a_soaks_servers_launched_ahead_stop_when_nobody_takes_them(fresh):
     engines.start_next(session(("test_a", []), ("test_b", ["b_soak"]))[0])  # test_b deselected: never taken
     engines.finish()
     assert [server.stops for server in servers] == [1, 1]
+
+
+def test_a_command_a_build_runs_later_sees_the_environment_of_the_builds_start(fresh, tmp_path, monkeypatch):
+    """A build's later console script runs in the environment its start saw, not one a test changed since."""
+    (tmp_path / "print_late.py").write_text("import os; print(os.environ.get('GRAPHCHUNK_TEST_LATE'))")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    changed = threading.Event()
+
+    def build():
+        first = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # the start returns
+        assert changed.wait(60)
+        first.kill()
+        first.wait()
+        return engines.run_ahead("print_late", [])
+
+    build.__module__ = "test_b"
+    engines.fixture(build, "b_run")
+    engines.start_next(session(("test_a", []), ("test_b", ["b_run"]))[0])
+    monkeypatch.setenv("GRAPHCHUNK_TEST_LATE", "set after the start")
+    changed.set()
+    done = engines.take(build)
+    assert done.returncode == 0 and done.stdout.strip() == "None", done.stdout + done.stderr
+    engines.finish()

@@ -10,7 +10,6 @@ OpenAI server with a restart over a tier.
 from __future__ import annotations
 
 import json
-import os
 import struct
 import subprocess
 from pathlib import Path
@@ -91,7 +90,6 @@ class Precomputed(NamedTuple):
 def build_precomputed() -> Precomputed:
     """graphchunk-precompute over ``CORPORA`` into a new tier directory, each run its console script's
     process: started ahead of this module (``engines``), they take a minute or more of one core."""
-    env = dict(os.environ)  # the start's, for the runs that begin while other modules' tests run
     tiny = str(models.tiny_checkpoint("llama3"))
     store, corpora = engines.scratch("tier"), engines.scratch("corpora")
     runs = {}
@@ -99,7 +97,7 @@ def build_precomputed() -> Precomputed:
         path = corpora / f"{name}.jsonl"
         path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
         before = tier_files(store)
-        done = engines.run_ahead("graphchunk.tools.precompute", precompute_argv(tiny, store, path, options), env)
+        done = engines.run_ahead("graphchunk.tools.precompute", precompute_argv(tiny, store, path, options))
         runs[name] = (done, tier_files(store) - before)
     return Precomputed(store, corpora, runs)
 
