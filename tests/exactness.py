@@ -13,14 +13,19 @@ from graphchunk.llm import RagPrompt
 from graphchunk.segments import SegmentedPrompt, SeparatorSplitter, split_at
 
 SEP = " ## "
-MAX_TOKENS = 16
+MAX_TOKENS = 8
+"""Tokens each compared request generates: the first checks the prefill over the reused context,
+the other seven decode over its KV (positions, masks and block tables past the prompt). Sixteen
+ran the engine modules ~20 % longer (three modules alone, same session: 211 s against 171 s) and
+checked the same paths."""
 TOP_LOGPROBS = 20
 # vLLM's CPU kernels and HF's eager attention sum in different orders. Over every generated token
-# of this module (~640 tokens, top-20 logprobs each) the largest difference measured on this machine
-# was 4.7e-5 at the first generated token and 8.6e-5 at any token (decode steps run other kernels
-# over longer contexts). The tolerances sit ~10x above; what a wrong role, mask or position does is
-# far larger: unprotected, the prefix-cache role hazard below moves the first token's by 0.4-1.7;
-# the single-context-token step (test_step_scheduling_a_single_context_token), unfixed, by 0.19.
+# of this module (~640 tokens, 16 per request then, top-20 logprobs each) the largest difference
+# measured on this machine was 4.7e-5 at the first generated token and 8.6e-5 at any token (decode
+# steps run other kernels over longer contexts). The tolerances sit ~10x above; what a wrong role,
+# mask or position does is far larger: unprotected, the prefix-cache role hazard below moves the
+# first token's by 0.4-1.7; the single-context-token step (test_step_scheduling_a_single_context_token),
+# unfixed, by 0.19.
 FIRST_TOKEN_TOL = 5e-4
 LOGPROB_TOL = 1e-3
 

@@ -16,7 +16,7 @@ from pydoc_data.topics import topics
 
 import engines
 from conftest import GC_LLM_TEMPLATES
-from exactness import blend_reference, string_parts_render
+from exactness import MAX_TOKENS, blend_reference, string_parts_render
 from graphchunk.documents import DOCUMENT_PART, document_messages, hf_render, place_document_parts, place_documents
 from graphchunk.layout import Layout
 from graphchunk.reference import models
@@ -28,7 +28,6 @@ pytestmark = pytest.mark.slow
 MAX_MODEL_LEN = 2048
 GC = {"pool_tokens": 8192, "mode": "isolated", "max_chunks": 8, "max_chunk_len": 512, "templates": str(GC_LLM_TEMPLATES)}
 """With the test session's grid: question steps counted by bucket and by how vLLM ran them."""
-MAX_TOKENS = 16
 STARTUP_TIMEOUT_S = 900  # ~40-80 s alone; much more when other engines share the 2 cores
 
 SYS = "You answer questions about Python using only the documents below."
