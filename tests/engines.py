@@ -5,11 +5,13 @@ of one core each; vLLM spawns them on CPU), closing one mostly waiting (vLLM giv
 5 s to exit). Neither keeps both cores busy, so the session overlaps them with other tests:
 
 * ``fixture(build, name)`` makes the engine fixture ``name`` (module scope, or session scope in
-  conftest) of a zero-argument ``build``. When a module's first test starts, no start is in flight
-  and fewer than ``MAX_WAITING`` engines wait for their module, the session starts the next engine
-  a later module needs, in a thread of its own, and waits until ``build`` has spawned its first
-  process (``start_next``): that process inherits the environment of that moment, before any
-  fixture of the test ran (``GraphChunkLLM`` passes its metrics file to its engine that way). The
+  conftest) of a zero-argument ``build``. Before each test, when no start is in flight and fewer
+  than ``MAX_WAITING`` engines wait for their module, the session starts the next engine a later
+  module needs, in a thread of its own, and waits until ``build`` has spawned its first process
+  (``start_next``): that process inherits the environment of that moment, before any fixture of the
+  test ran (``GraphChunkLLM`` passes its metrics file to its engine that way; no module-scoped
+  fixture leaves the environment changed). A start that ends inside a long module so lets the next
+  begin at its next test. The
   fixture takes what that start built (its exception raised there) or builds the engine then (a
   module run alone, ``-k``), and closes it in a thread of its own (``close_soon``).
 * An engine is a ``GraphChunkLLM`` (closed by ``shutdown``) or a server (``stop``); a build may also
@@ -107,12 +109,9 @@ def scratch(name: str) -> Path:
 
 
 def start_next(item) -> None:
-    """At the first test of each module: starts the next engine a later module needs, unless a start
-    is in flight or ``MAX_WAITING`` engines wait."""
-    module = item.module.__name__
-    if module in _modules_begun:
-        return
-    _modules_begun.add(module)
+    """Before each test: starts the next engine a later module needs, unless a start is in flight or
+    ``MAX_WAITING`` engines wait."""
+    _modules_begun.add(item.module.__name__)
     if len(_started) >= MAX_WAITING or any(not future.done() for future in _started.values()):
         return
     build = _next_build(item)
@@ -146,17 +145,26 @@ def finish() -> None:
 def _next_build(item):
     """The first build a test of a later module needs that was neither started nor taken nor is
     needed by this module (its fixture builds it now), or None."""
-    items = item.session.items
-    later = items[items.index(item):]
     module = item.module.__name__
-    now = {build for other in later if other.module.__name__ == module for build in _needs(other)}
-    for other in later:
-        if other.module.__name__ in _modules_begun:
-            continue
-        for build in _needs(other):
-            if build not in _started and build not in _taken and build not in now:
-                return build
+    needs = _needs_in_order(item.session.items)
+    now = {build for other, build in needs if other == module}
+    for other, build in needs:
+        if other not in _modules_begun and build not in _started and build not in _taken and build not in now:
+            return build
     return None
+
+
+_order: tuple = (None, ())
+"""(the session's items, ``_needs_in_order`` of them): computed once, not before every test."""
+
+
+def _needs_in_order(items) -> tuple:
+    """(module, build) for every build a test needs, once per module, in the tests' order."""
+    global _order
+    if _order[0] is not items:
+        _order = (items, tuple(dict.fromkeys((item.module.__name__, build) for item in items
+                                             for build in _needs(item))))
+    return _order[1]
 
 
 def _needs(item) -> list:

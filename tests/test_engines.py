@@ -49,7 +49,7 @@ class Builds:
 def fresh(monkeypatch):
     """The registry emptied for the test (the session's own is put back afterwards)."""
     for attr, value in (("_builds", {}), ("_started", {}), ("_taken", set()), ("_closing", []),
-                        ("_modules_begun", set()), ("_scratch", [])):
+                        ("_modules_begun", set()), ("_scratch", []), ("_order", (None, ()))):
         monkeypatch.setattr(engines, attr, value)
     return Builds()
 
@@ -64,7 +64,7 @@ def session(*modules: tuple[str, list[str]]):
     return items
 
 
-def test_later_modules_engines_start_in_order_at_modules_first_tests_each_built_once(fresh, monkeypatch):
+def test_later_modules_engines_start_in_order_before_tests_each_built_once(fresh, monkeypatch):
     monkeypatch.setattr(engines, "MAX_WAITING", 2)
     builds = {name: fresh.make(name, f"test_{name}") for name in "bcd"}
     for name, build in builds.items():
@@ -78,9 +78,9 @@ def test_later_modules_engines_start_in_order_at_modules_first_tests_each_built_
 
     begin(0)
     assert fresh.calls == ["b"]
-    begin(1)  # not a module's first test
-    begin(2)
+    begin(1)  # b's start ended: the module's next test starts c
     assert fresh.calls == ["b", "c"]
+    begin(2)
     begin(4)  # b and c wait: MAX_WAITING
     assert fresh.calls == ["b", "c"]
     taken = [engines.take(builds["b"])]
