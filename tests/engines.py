@@ -39,6 +39,7 @@ from typing import NamedTuple
 import psutil
 import pytest
 
+from perf.common.harness import REPO
 from perf.common.server import poll
 
 SPAWN_DEADLINE_S = 120.0
@@ -56,7 +57,12 @@ _closing: list[Future] = []
 _modules_begun: set[str] = set()
 _scratch: list[Path] = []
 _start = threading.local()
-"""In a build's thread, ``environment``: this process's environment when ``start_next`` began it."""
+"""In a build's thread: ``environment``, this process's environment when ``start_next`` began it,
+and ``running``, the build's event in ``_running``."""
+_running: dict[object, threading.Event] = {}
+"""build -> set once its start runs a console script (``run_ahead``). From then on it no longer holds
+the start in flight: the command runs to its end beside the next start (a benchmark's run mostly
+waits for its servers and passes; the rule against two starts at once is for engines)."""
 
 
 def fixture(build, name: str, scope: str = "module"):
@@ -96,11 +102,22 @@ class Ahead(NamedTuple):
 
 
 def run_ahead(module: str, argv: list[str]) -> subprocess.CompletedProcess:
-    """``python -m module argv`` to its end, its output captured, as a build runs a console script.
-    In a build started ahead it runs in the environment of the build's start, also when it begins
-    after the build's first process, while a later module's test may have changed this process's."""
-    return subprocess.run([sys.executable, "-m", module, *argv], capture_output=True, text=True,
-                          env=getattr(_start, "environment", None), timeout=RUN_AHEAD_TIMEOUT_S)
+    """``python -m module argv`` in the repository's root to its end, its output captured, as a build
+    runs a console script. In a build started ahead it runs in the environment of the build's start,
+    also when it begins after the build's first process, while a later module's test may have
+    changed this process's; once it runs, the next start may begin (``_running``)."""
+    command = [sys.executable, "-m", module, *argv]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                          env=getattr(_start, "environment", None)) as process:
+        running = getattr(_start, "running", None)
+        if running is not None:
+            running.set()
+        try:
+            out, err = process.communicate(timeout=RUN_AHEAD_TIMEOUT_S)
+        except BaseException:
+            process.kill()
+            raise
+    return subprocess.CompletedProcess(command, process.returncode, out, err)
 
 
 def scratch(name: str) -> Path:
@@ -112,16 +129,18 @@ def start_next(item) -> None:
     """Before each test: starts the next engine a later module needs, unless a start is in flight or
     ``MAX_WAITING`` engines wait."""
     _modules_begun.add(item.module.__name__)
-    if len(_started) >= MAX_WAITING or any(not future.done() for future in _started.values()):
+    if len(_started) >= MAX_WAITING or any(not future.done() and not _running[build].is_set()
+                                           for build, future in _started.items()):
         return
     build = _next_build(item)
     if build is None:
         return
     children = _children()
     environment = dict(os.environ)  # before any fixture of the test ran
+    running = _running[build] = threading.Event()
 
     def start():
-        _start.environment = environment
+        _start.environment, _start.running = environment, running
         return build()
 
     future = _in_thread(start, f"start {build.__module__}.{build.__name__}")
