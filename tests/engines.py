@@ -9,15 +9,17 @@ of one core each; vLLM spawns them on CPU), closing one mostly waiting (vLLM giv
   than ``MAX_WAITING`` engines wait for their module, the session starts the next engine a later
   module needs, in a thread of its own, and waits until ``build`` has spawned its first process
   (``start_next``): that process inherits the environment of that moment, before any fixture of the
-  test ran (``GraphChunkLLM`` passes its metrics file to its engine that way; no module-scoped
-  fixture leaves the environment changed). A start that ends inside a long module so lets the next
-  begin at its next test. The
-  fixture takes what that start built (its exception raised there) or builds the engine then (a
-  module run alone, ``-k``), and closes it in a thread of its own (``close_soon``).
+  test ran (``GraphChunkLLM`` passes its metrics file to its engine that way, a new one for each;
+  the one variable a module's fixture sets for an engine of its own, test_tensor_parallel's thread
+  binding, is put back before its first test). A start that ends inside a long module thus lets the
+  next begin at its next test. The fixture takes what that start built (its exception raised there)
+  or builds the engine then (a module run alone, ``-k``), and closes it in a thread of its own
+  (``close_soon``).
 * An engine is a ``GraphChunkLLM`` (closed by ``shutdown``) or a server (``stop``); a build may also
-  run console scripts to their end (``run_ahead``: a precompute, a warm-up; their results need no
-  closing) or launch a run's servers without waiting for them (``Ahead``: a soak's).
-  ``scratch(name)`` gives a build a new directory (a tier's, a connector's storage).
+  run console scripts to their end (``run_ahead``: a precompute, a warm-up, a benchmark; their
+  results need no closing, and a build running one holds no start in flight) or launch a run's
+  servers without waiting for them (``Ahead``: a soak's). ``scratch(name)`` gives a build a new
+  directory (a tier's, a connector's storage).
 * ``finish()``, the session's last teardown: closes what was started and never taken, joins every
   close and removes the scratch directories, raising the first failure.
 
