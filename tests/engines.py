@@ -16,10 +16,9 @@ of one core each; vLLM spawns them on CPU), closing one mostly waiting (vLLM giv
   or builds the engine then (a module run alone, ``-k``), and closes it in a thread of its own
   (``close_soon``).
 * An engine is a ``GraphChunkLLM`` (closed by ``shutdown``) or a server (``stop``); a build may also
-  run console scripts to their end (``run_ahead``: a precompute, a warm-up, a benchmark; their
-  results need no closing, and a build running one holds no start in flight) or launch a run's
-  servers without waiting for them (``Ahead``: a soak's). ``scratch(name)`` gives a build a new
-  directory (a tier's, a connector's storage).
+  run console scripts to their end (``run_ahead``: a precompute, a warm-up; their results need no
+  closing) or launch a run's servers without waiting for them (``Ahead``: a soak's).
+  ``scratch(name)`` gives a build a new directory (a tier's, a connector's storage).
 * ``finish()``, the session's last teardown: closes what was started and never taken, joins every
   close and removes the scratch directories, raising the first failure.
 
@@ -41,7 +40,6 @@ from typing import NamedTuple
 import psutil
 import pytest
 
-from perf.common.harness import REPO
 from perf.common.server import poll
 
 SPAWN_DEADLINE_S = 120.0
@@ -59,12 +57,7 @@ _closing: list[Future] = []
 _modules_begun: set[str] = set()
 _scratch: list[Path] = []
 _start = threading.local()
-"""In a build's thread: ``environment``, this process's environment when ``start_next`` began it,
-and ``running``, the build's event in ``_running``."""
-_running: dict[object, threading.Event] = {}
-"""build -> set once its start runs a console script (``run_ahead``). From then on it no longer holds
-the start in flight: the command runs to its end beside the next start (a benchmark's run mostly
-waits for its servers and passes; the rule against two starts at once is for engines)."""
+"""In a build's thread, ``environment``: this process's environment when ``start_next`` began it."""
 
 
 def fixture(build, name: str, scope: str = "module"):
@@ -104,22 +97,11 @@ class Ahead(NamedTuple):
 
 
 def run_ahead(module: str, argv: list[str]) -> subprocess.CompletedProcess:
-    """``python -m module argv`` in the repository's root to its end, its output captured, as a build
-    runs a console script. In a build started ahead it runs in the environment of the build's start,
-    also when it begins after the build's first process, while a later module's test may have
-    changed this process's; once it runs, the next start may begin (``_running``)."""
-    command = [sys.executable, "-m", module, *argv]
-    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-                          env=getattr(_start, "environment", None)) as process:
-        running = getattr(_start, "running", None)
-        if running is not None:
-            running.set()
-        try:
-            out, err = process.communicate(timeout=RUN_AHEAD_TIMEOUT_S)
-        except BaseException:
-            process.kill()
-            raise
-    return subprocess.CompletedProcess(command, process.returncode, out, err)
+    """``python -m module argv`` to its end, its output captured, as a build runs a console script.
+    In a build started ahead it runs in the environment of the build's start, also when it begins
+    after the build's first process, while a later module's test may have changed this process's."""
+    return subprocess.run([sys.executable, "-m", module, *argv], capture_output=True, text=True,
+                          env=getattr(_start, "environment", None), timeout=RUN_AHEAD_TIMEOUT_S)
 
 
 def scratch(name: str) -> Path:
@@ -131,18 +113,16 @@ def start_next(item) -> None:
     """Before each test: starts the next engine a later module needs, unless a start is in flight or
     ``MAX_WAITING`` engines wait."""
     _modules_begun.add(item.module.__name__)
-    if len(_started) >= MAX_WAITING or any(not future.done() and not _running[build].is_set()
-                                           for build, future in _started.items()):
+    if len(_started) >= MAX_WAITING or any(not future.done() for future in _started.values()):
         return
     build = _next_build(item)
     if build is None:
         return
     children = _children()
     environment = dict(os.environ)  # before any fixture of the test ran
-    running = _running[build] = threading.Event()
 
     def start():
-        _start.environment, _start.running = environment, running
+        _start.environment = environment
         return build()
 
     future = _in_thread(start, f"start {build.__module__}.{build.__name__}")

@@ -5,9 +5,7 @@ benchmark's shim) on the tiny Llama checkpoint, concurrency 1, a few requests a 
 the result file's structure and what could go wrong whatever the timings: every row present and
 every request completed, the documents arrived as documents (one chunk lookup each), warm passes hit
 more than cold ones, vanilla's ceiling pass hits vLLM's prefix cache, and vanilla and graphchunk were
-sent the same prompts. No timing is asserted. The run is the benchmark's command, started ahead of
-this module (``engines.run_ahead``): it mostly waits for its servers and passes, so the session's
-other tests and starts run beside it.
+sent the same prompts. No timing is asserted.
 
 What the suite leaves to the benchmark's own ``--quick`` (every kind, a precomputed tier): a blend
 server and a server on a tier are the same code here with other settings (``settings_of``, below);
@@ -20,26 +18,20 @@ import json
 
 import pytest
 
-import engines
+from inprocess import run_main
+from perf.serving import bench_serve
 
 pytestmark = pytest.mark.slow
 
 PHASES = {"vanilla": ("cold", "warm", "ceiling"), "isolated": ("cold", "warm")}
 
 
-def build_run():
-    out = engines.scratch("bench-serve")
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench-serve")
     argv = ["--quick", "--kinds", ",".join(PHASES), "--no-precomputed", "--out", str(out / "serve.json"),
             "--plot", str(out / "serve.png"), "--work-dir", str(out / "work")]
-    return engines.run_ahead("perf.serving.bench_serve", argv), out
-
-
-bench_run = engines.fixture(build_run, "bench_run")
-
-
-@pytest.fixture(scope="module")
-def result(bench_run):
-    done, out = bench_run
+    done = run_main(bench_serve.main, argv, ["python", "-m", "perf.serving.bench_serve"])  # ``inprocess``
     print(done.stdout[-4000:])
     if not (out / "serve.json").exists():
         pytest.fail(f"bench_serve.py exited {done.returncode} without a result\n{done.stdout[-3000:]}\n"

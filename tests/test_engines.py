@@ -49,8 +49,7 @@ class Builds:
 def fresh(monkeypatch):
     """The registry emptied for the test (the session's own is put back afterwards)."""
     for attr, value in (("_builds", {}), ("_started", {}), ("_taken", set()), ("_closing", []),
-                        ("_modules_begun", set()), ("_scratch", []), ("_order", (None, ())),
-                        ("_running", {})):
+                        ("_modules_begun", set()), ("_scratch", []), ("_order", (None, ()))):
         monkeypatch.setattr(engines, attr, value)
     return Builds()
 
@@ -199,40 +198,4 @@ def test_a_command_a_build_runs_later_sees_the_environment_of_the_builds_start(f
     changed.set()
     done = engines.take(build)
     assert done.returncode == 0 and done.stdout.strip() == "None", done.stdout + done.stderr
-    engines.finish()
-
-
-def test_a_command_run_ahead_lets_the_next_start_begin_beside_it(fresh, tmp_path, monkeypatch):
-    """A build running a console script (``run_ahead``) holds no start in flight; an engine's does."""
-    (tmp_path / "wait_for.py").write_text(
-        "import pathlib, sys, time\nwhile not pathlib.Path(sys.argv[1]).exists():\n    time.sleep(0.05)\n")
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
-    release, engine_up = tmp_path / "release", threading.Event()
-
-    def build_b():
-        return engines.run_ahead("wait_for", [str(release)])
-
-    def build_c():
-        fresh.calls.append("c")
-        process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-        assert engine_up.wait(60)  # in flight until the test lets it finish
-        return FakeEngine("c", process)
-
-    build_b.__module__, build_c.__module__ = "test_b", "test_c"
-    engines.fixture(build_b, "b_run")
-    engines.fixture(build_c, "c_llm")
-    build_d = fresh.make("d", "test_d")
-    engines.fixture(build_d, "d_llm")
-    items = session(("test_a", []), ("test_b", ["b_run"]), ("test_c", ["c_llm"]), ("test_d", ["d_llm"]))
-    try:
-        engines.start_next(items[0])
-        assert engines._running[build_b].wait(60)
-        engines.start_next(items[1])  # b's command still runs: c starts beside it
-        engines.start_next(items[1])  # c's engine is in flight: d waits
-        assert fresh.calls == ["c"]
-    finally:
-        release.touch()
-        engine_up.set()
-    assert engines.take(build_b).returncode == 0
-    engines.close_soon(engines.take(build_c))
     engines.finish()
