@@ -84,7 +84,7 @@ class Oracle:
         if max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
         cache = transformers.DynamicCache(config=self.model.config)
-        out = self._forward(token_ids, layout.positions(), layout.attention_allowed(), cache,
+        out = self._forward(token_ids, layout.positions(), layout.attention_allowed(), cache, keep=1,
                             **_corrections(layout, key_temperature, ape, 0, slice(0, layout.num_tokens)))
         tokens = []
         while True:
@@ -210,7 +210,7 @@ class Oracle:
         question = np.arange(layout.context_len, layout.num_tokens)
         keys = np.concatenate([np.array(kept, dtype=np.int64), question])
         out = self._forward(token_ids[layout.context_len:], question, keys[None, :] <= question[:, None], cache,
-                            output_attentions=True)
+                            output_attentions=True, keep=1)
         total = sum(layer[0].float().sum(dim=(0, 1)) for layer in out.attentions[:num_layers])  # [keys]
         return total[: layout.context_len].numpy().astype(np.float64)
 
