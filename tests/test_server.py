@@ -339,28 +339,28 @@ def streamed(server, prompt: str) -> http.client.HTTPConnection:
 
 
 def test_requests_cancelled_while_waiting_for_misses_give_the_kv_cache_back(server, oracle, splitter, tokenizer):
-    """30 streamed requests, each with two documents no other request has: once graphchunk has
-    planned them (their misses counted: they wait, blocks allocated, while the workers compute the
-    misses a budget per step), their clients go away. vLLM's KV-cache usage returns to its idle
-    value once the workers have caught up, and a request afterwards is answered, exactly (before,
-    a request cancelled while waiting for its misses kept its blocks for good: the usage stayed up
-    with nothing running, and long prompts stopped being admitted)."""
+    """16 streamed requests, each with two documents no other request has: once graphchunk has
+    planned half of them (their misses counted: they wait, blocks allocated, while the workers
+    compute the misses a budget per step), every client goes away. vLLM's KV-cache usage returns to
+    its idle value once the workers have caught up, and a request afterwards is answered, exactly
+    (before, a request cancelled while waiting for its misses kept its blocks for good: the usage
+    stayed up with nothing running, and long prompts stopped being admitted)."""
     idle = settled(server, 60)
     misses = server.metrics()["graphchunk_misses_total"]
     completed = vllm_samples(server, "vllm:request_success_total")  # (a cancelled request is not counted)
     conns = [streamed(server, rag_text([f"Note {i}-{k}: " + words(topic, 80) for k, topic in enumerate(("for", "while"))]))
-             for i in range(30)]
+             for i in range(16)]
     deadline = time.monotonic() + 120
-    while server.metrics()["graphchunk_misses_total"] < misses + 40 and time.monotonic() < deadline:
-        time.sleep(0.2)  # polls: 20 of them planned
+    while server.metrics()["graphchunk_misses_total"] < misses + 16 and time.monotonic() < deadline:
+        time.sleep(0.2)  # polls: 8 of them planned
     for conn in conns:
         conn.close()
     deadline = time.monotonic() + 120
     while settled(server, 5) > idle and time.monotonic() < deadline:
         pass
     assert settled(server, 5) == idle, f"vLLM's KV cache stays used with nothing running\n{server.log_tail()}"
-    cancelled = 30 - (vllm_samples(server, "vllm:request_success_total") - completed)
-    assert cancelled >= 10, cancelled  # most went away while they waited
+    cancelled = 16 - (vllm_samples(server, "vllm:request_success_total") - completed)
+    assert cancelled >= 8, cancelled  # half or more went away while they waited
     check_text_prompt(server, oracle, splitter, tokenizer, rag_text(DOCS[::-1]))
 
 
