@@ -5,16 +5,18 @@ of one core each; vLLM spawns them on CPU), closing one mostly waiting (vLLM giv
 5 s to exit). Neither keeps both cores busy, so the session overlaps them with other tests:
 
 * ``fixture(build, name)`` makes the engine fixture ``name`` (module scope, or session scope in
-  conftest) of a zero-argument ``build``. Before each test, when no start is in flight and fewer
-  than ``MAX_WAITING`` engines wait for their module, the session starts the next engine a later
-  module needs, in a thread of its own, and waits until ``build`` has spawned its first process
-  (``start_next``): that process inherits the environment of that moment, before any fixture of the
-  test ran (``GraphChunkLLM`` passes its metrics file to its engine that way, a new one for each;
-  the one variable a module's fixture sets for an engine of its own, test_tensor_parallel's thread
-  binding, is put back before its first test). A start that ends inside a long module thus lets the
-  next begin at its next test. The fixture takes what that start built (its exception raised there)
-  or builds the engine then (a module run alone, ``-k``), and closes it in a thread of its own
-  (``close_soon``).
+  conftest) of a zero-argument ``build``. Before each test, when fewer than ``MAX_IN_FLIGHT`` starts
+  are in flight and fewer than ``MAX_WAITING`` engines wait for their module, the session starts the
+  next engine a later module needs, in a thread of its own, and waits until that thread has spawned
+  the build's first process (``start_next``; the thread's own children, so another start's
+  processes never count): that process inherits the environment of that moment, before any fixture
+  of the test ran (``GraphChunkLLM`` passes its metrics file to its engine that way, a new one for
+  each), plus the build's own ``environment`` (test_tensor_parallel's thread binding), set only
+  until that process spawned and only while no other start is in flight: no test and no other
+  build's process sees it. Starts only begin before tests, so two in flight keep the cores busy
+  through a long test (a benchmark's) that one start alone leaves half idle. The fixture takes what
+  that start built (its exception raised there) or builds the engine then (a module run alone,
+  ``-k``), and closes it in a thread of its own (``close_soon``).
 * An engine is a ``GraphChunkLLM`` (closed by ``shutdown``) or a server (``stop``); a build may also
   run console scripts to their end (``run_ahead``: a precompute, a warm-up; their results need no
   closing) or launch a run's servers without waiting for them (``Ahead``: a soak's).
@@ -27,6 +29,7 @@ one closing (the pressure soak's ``Ahead`` holds a server per mode).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -37,7 +40,6 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import NamedTuple
 
-import psutil
 import pytest
 
 from perf.common.server import poll
@@ -45,12 +47,16 @@ from perf.common.server import poll
 SPAWN_DEADLINE_S = 120.0
 RUN_AHEAD_TIMEOUT_S = 900.0
 """A console script a build runs to its end (``run_ahead``) is killed after this, failing the build."""
+MAX_IN_FLIGHT = 2
+"""Starts running at once (each spawns its first process before the next test begins)."""
 MAX_WAITING = 3
 """Engines started and not yet taken. Over the whole suite two measured faster than one, and three
 than two (1713 s against 1822 s, one run each; the least memory available 10 of 24 GB)."""
 
 _builds: dict[tuple[str, str], object] = {}
 """(defining module, fixture name) -> ``build``; "conftest" fixtures serve every module."""
+_environments: dict[object, dict[str, str]] = {}
+"""``build`` -> the variables its processes need beyond this process's environment."""
 _started: dict[object, Future] = {}
 _taken: set = set()
 _closing: list[Future] = []
@@ -60,8 +66,9 @@ _start = threading.local()
 """In a build's thread, ``environment``: this process's environment when ``start_next`` began it."""
 
 
-def fixture(build, name: str, scope: str = "module"):
+def fixture(build, name: str, scope: str = "module", environment: dict[str, str] | None = None):
     _builds[(build.__module__, name)] = build
+    _environments[build] = dict(environment or {})
 
     @pytest.fixture(scope=scope, name=name)
     def engine():
@@ -76,7 +83,10 @@ def take(build):
     """What the start of ``build`` built (its exception raised here), or a new one."""
     future = _started.pop(build, None)
     _taken.add(build)
-    return future.result() if future is not None else build()
+    if future is not None:
+        return future.result()
+    with _variables(_environments.get(build, {})):
+        return build()
 
 
 def close_soon(engine) -> None:
@@ -110,24 +120,28 @@ def scratch(name: str) -> Path:
 
 
 def start_next(item) -> None:
-    """Before each test: starts the next engine a later module needs, unless a start is in flight or
-    ``MAX_WAITING`` engines wait."""
+    """Before each test: starts the next engine a later module needs, unless ``MAX_IN_FLIGHT``
+    starts are in flight or ``MAX_WAITING`` engines wait."""
     _modules_begun.add(item.module.__name__)
-    if len(_started) >= MAX_WAITING or any(not future.done() for future in _started.values()):
+    in_flight = sum(not future.done() for future in _started.values())
+    if len(_started) >= MAX_WAITING or in_flight >= MAX_IN_FLIGHT:
         return
     build = _next_build(item)
-    if build is None:
+    own = _environments.get(build, {})
+    if build is None or (own and in_flight):
         return
-    children = _children()
-    environment = dict(os.environ)  # before any fixture of the test ran
+    environment = {**os.environ, **own}  # before any fixture of the test ran
+    spawner: list[int] = []
 
     def start():
         _start.environment = environment
+        spawner.append(threading.get_native_id())
         return build()
 
-    future = _in_thread(start, f"start {build.__module__}.{build.__name__}")
-    _started[build] = future
-    poll(lambda: future.done() or _children() - children, SPAWN_DEADLINE_S, interval=0.05)
+    with _variables(own):
+        future = _in_thread(start, f"start {build.__module__}.{build.__name__}")
+        _started[build] = future
+        poll(lambda: future.done() or _has_children(spawner), SPAWN_DEADLINE_S, interval=0.05)
 
 
 def finish() -> None:
@@ -173,8 +187,25 @@ def _needs(item) -> list:
             if name in item.fixturenames and module in ("conftest", item.module.__name__)]
 
 
-def _children() -> set[int]:
-    return {process.pid for process in psutil.Process().children()}
+@contextlib.contextmanager
+def _variables(variables: dict[str, str]):
+    """``variables`` set in this process's environment, then put back as they were."""
+    saved = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _has_children(spawner: list[int]) -> bool:
+    """Whether the thread ``spawner`` holds the native id of has a child process (Linux keeps each
+    thread's children apart: ``/proc/PID/task/TID/children``)."""
+    return bool(spawner) and bool(Path(f"/proc/{os.getpid()}/task/{spawner[0]}/children").read_text().split())
 
 
 def _in_thread(fn, name: str) -> Future:

@@ -3,6 +3,7 @@ once and closed. Fake modules, tests and engines; each build spawns a real short
 start waits for one)."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -11,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 import engines
+from perf.common.server import poll
 
 
 class FakeEngine:
@@ -32,10 +34,14 @@ class Builds:
     def __init__(self):
         self.calls: list[str] = []
 
-    def make(self, name: str, module: str, fail: bool = False, fail_close: bool = False):
+    def make(self, name: str, module: str, fail: bool = False, fail_close: bool = False,
+             hold: threading.Event | None = None):
+        """``hold``: the build returns only once it is set (a start in flight until then)."""
         def build():
             self.calls.append(name)
             process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+            if hold is not None:
+                assert hold.wait(60)
             if fail:
                 process.kill()
                 process.wait()
@@ -49,7 +55,8 @@ class Builds:
 def fresh(monkeypatch):
     """The registry emptied for the test (the session's own is put back afterwards)."""
     for attr, value in (("_builds", {}), ("_started", {}), ("_taken", set()), ("_closing", []),
-                        ("_modules_begun", set()), ("_scratch", []), ("_order", (None, ()))):
+                        ("_modules_begun", set()), ("_scratch", []), ("_order", (None, ())),
+                        ("_environments", {})):
         monkeypatch.setattr(engines, attr, value)
     return Builds()
 
@@ -92,6 +99,60 @@ def test_later_modules_engines_start_in_order_before_tests_each_built_once(fresh
         engines.close_soon(engine)
     engines.finish()
     assert all(engine.closed.is_set() for engine in taken)
+
+
+def test_two_starts_run_at_once_and_a_build_with_its_own_environment_starts_alone(fresh, monkeypatch):
+    monkeypatch.setattr(engines, "MAX_WAITING", 5)
+    holds = {name: threading.Event() for name in "bcd"}
+    builds = {name: fresh.make(name, f"test_{name}", hold=holds[name]) for name in "bcd"}
+    for name in "bc":
+        engines.fixture(builds[name], f"{name}_llm")
+    engines.fixture(builds["d"], "d_llm", environment={"GRAPHCHUNK_TEST_OWN": "d"})
+    items = session(("test_a", []), *((f"test_{n}", [f"{n}_llm"]) for n in "bcd"))
+    engines.start_next(items[0])
+    engines.start_next(items[1])  # b in flight: c starts beside it
+    assert fresh.calls == ["b", "c"]
+    engines.start_next(items[1])  # two in flight: MAX_IN_FLIGHT
+    assert fresh.calls == ["b", "c"]
+    holds["b"].set()
+    taken = [engines.take(builds["b"])]
+    engines.start_next(items[2])  # c still in flight: d, with its own environment, waits for it
+    assert fresh.calls == ["b", "c"]
+    holds["c"].set()
+    engines._started[builds["c"]].result()
+    engines.start_next(items[2])
+    assert fresh.calls == ["b", "c", "d"]
+    holds["d"].set()
+    taken += [engines.take(builds[name]) for name in "cd"]
+    for engine in taken:
+        engines.close_soon(engine)
+    engines.finish()
+
+
+def test_a_start_waits_for_its_own_threads_process_not_anothers():
+    """``_has_children``: a thread's children only (another start's processes never end the wait)."""
+    ids, spawned, release = {}, threading.Event(), threading.Event()
+
+    def run(name, spawn):
+        ids[name] = [threading.get_native_id()]
+        process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"]) if spawn else None
+        spawned.set() if spawn else None
+        assert release.wait(60)
+        if process is not None:
+            process.kill()
+            process.wait()
+
+    threads = [threading.Thread(target=run, args=("quiet", False)), threading.Thread(target=run, args=("spawner", True))]
+    for thread in threads:
+        thread.start()
+    assert spawned.wait(60)
+    try:
+        assert engines._has_children(ids["spawner"]) and not engines._has_children(ids["quiet"])
+        assert not engines._has_children([])  # the thread has not recorded its id yet
+    finally:
+        release.set()
+        for thread in threads:
+            thread.join()
 
 
 def test_an_engine_the_beginning_module_needs_is_not_started_ahead_nor_a_taken_one_again(fresh):
@@ -198,4 +259,34 @@ def test_a_command_a_build_runs_later_sees_the_environment_of_the_builds_start(f
     changed.set()
     done = engines.take(build)
     assert done.returncode == 0 and done.stdout.strip() == "None", done.stdout + done.stderr
+    engines.finish()
+
+
+@pytest.mark.parametrize("ahead", [True, False])
+def test_a_builds_own_environment_reaches_its_processes_and_no_test(fresh, tmp_path, monkeypatch, ahead):
+    """A build's ``environment`` is in its first process and the console scripts it runs later, and
+    in this process only until that first process spawned (ahead) or the build returned (built by
+    its fixture, the module run alone)."""
+    (tmp_path / "print_own.py").write_text("import os; print(os.environ.get('GRAPHCHUNK_TEST_OWN'))")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.delenv("GRAPHCHUNK_TEST_OWN", raising=False)
+    first_saw = tmp_path / "first.txt"
+
+    def build():
+        first = subprocess.Popen([sys.executable, "-c", "import os, sys, time; open(sys.argv[1], 'w').write("
+                                  "os.environ.get('GRAPHCHUNK_TEST_OWN', 'None')); time.sleep(600)", str(first_saw)])
+        later = engines.run_ahead("print_own", [])
+        return FakeEngine("own", first), later
+
+    build.__module__ = "test_b"
+    engines.fixture(build, "b_own", environment={"GRAPHCHUNK_TEST_OWN": "own"})
+    if ahead:
+        engines.start_next(session(("test_a", []), ("test_b", ["b_own"]))[0])
+        assert "GRAPHCHUNK_TEST_OWN" not in os.environ  # the start returned: no test sees it
+    engine, later = engines.take(build)
+    assert "GRAPHCHUNK_TEST_OWN" not in os.environ
+    assert later.returncode == 0 and later.stdout.strip() == "own", later.stdout + later.stderr
+    poll(lambda: first_saw.exists() and first_saw.read_text(), 60, interval=0.05)
+    assert first_saw.read_text() == "own"
+    engine.shutdown()
     engines.finish()

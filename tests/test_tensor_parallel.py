@@ -8,7 +8,7 @@ one core per rank, ``0|1``.
 """
 from __future__ import annotations
 
-import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,28 +31,23 @@ DOCS = ["The assert statement is a convenient way to insert debugging assertions
         "The break statement may only occur syntactically nested in a for or while loop."]
 
 
-@pytest.fixture(scope="module")
-def tp_store(tmp_path_factory):
-    return tmp_path_factory.mktemp("tp-tier")
-
-
-@pytest.fixture(scope="module")
-def tp_llm(tp_store):
+def build_tp_llm():
+    """An engine of its own (TP=2), started ahead (``engines``) with the binding in its processes'
+    environment only."""
     from graphchunk import GraphChunkLLM
 
-    saved = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
-    try:
-        llm = GraphChunkLLM(str(models.tiny_checkpoint("llama3")), dtype="float32", tensor_parallel_size=2,
-                            max_model_len=1024, enforce_eager=True, kv_cache_memory_bytes=1 << 27,
-                            block_size=32, graphchunk={"pool_tokens": 4096, "store_path": str(tp_store), "mode": "isolated"})
-    finally:
-        if saved is None:
-            os.environ.pop("VLLM_CPU_OMP_THREADS_BIND")
-        else:
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = saved
-    yield llm
-    engines.close_soon(llm)
+    return GraphChunkLLM(str(models.tiny_checkpoint("llama3")), dtype="float32", tensor_parallel_size=2,
+                         max_model_len=1024, enforce_eager=True, kv_cache_memory_bytes=1 << 27, block_size=32,
+                         graphchunk={"pool_tokens": 4096, "store_path": str(engines.scratch("tp-tier")),
+                                     "mode": "isolated"})
+
+
+tp_llm = engines.fixture(build_tp_llm, "tp_llm", environment={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+
+
+@pytest.fixture(scope="module")
+def tp_store(tp_llm):
+    return Path(tp_llm.config.store_path)
 
 
 @pytest.fixture(scope="module")
