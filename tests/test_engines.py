@@ -103,6 +103,7 @@ def test_later_modules_engines_start_in_order_before_tests_each_built_once(fresh
 
 def test_two_starts_run_at_once_and_a_build_with_its_own_environment_starts_alone(fresh, monkeypatch):
     monkeypatch.setattr(engines, "MAX_WAITING", 5)
+    monkeypatch.setattr(engines, "MAX_IN_FLIGHT", 2)
     holds = {name: threading.Event() for name in "bcd"}
     builds = {name: fresh.make(name, f"test_{name}", hold=holds[name]) for name in "bcd"}
     for name in "bc":
@@ -149,6 +150,10 @@ def test_a_start_waits_for_its_own_threads_process_not_anothers():
     try:
         assert engines._has_children(ids["spawner"]) and not engines._has_children(ids["quiet"])
         assert not engines._has_children([])  # the thread has not recorded its id yet
+        ended = threading.Thread(target=lambda: ids.setdefault("ended", [threading.get_native_id()]))
+        ended.start()
+        ended.join()
+        assert not engines._has_children(ids["ended"])  # its task is gone
     finally:
         release.set()
         for thread in threads:
