@@ -131,19 +131,22 @@ def test_two_starts_run_at_once_and_a_build_with_its_own_environment_starts_alon
 
 
 def test_a_start_waits_for_its_own_threads_process_not_anothers():
-    """``_has_children``: a thread's children only (another start's processes never end the wait)."""
+    """``_has_children``: a thread's children only (another start's processes never end the wait),
+    once they run their own program (``Popen`` returns after the child's exec)."""
     ids, spawned, release = {}, threading.Event(), threading.Event()
 
     def run(name, spawn):
         ids[name] = [threading.get_native_id()]
-        process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"]) if spawn else None
-        spawned.set() if spawn else None
+        if not spawn:
+            assert release.wait(60)
+            return
+        process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        spawned.set()
         assert release.wait(60)
-        if process is not None:
-            process.kill()
-            process.wait()
+        process.kill()
+        process.wait()
 
-    threads = [threading.Thread(target=run, args=("quiet", False)), threading.Thread(target=run, args=("spawner", True))]
+    threads = [threading.Thread(target=run, args=(name, name == "spawner")) for name in ("quiet", "spawner")]
     for thread in threads:
         thread.start()
     assert spawned.wait(60)
