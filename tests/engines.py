@@ -190,7 +190,9 @@ def _needs(item) -> list:
 
 @contextlib.contextmanager
 def _variables(variables: dict[str, str]):
-    """``variables`` set in this process's environment, then put back as they were."""
+    """``variables`` set in this process's environment, then put back as they were, one by one: not
+    ``mock.patch.dict(os.environ)``, which clears and refills the whole environment while build
+    threads may be spawning (a child forked then could start with none)."""
     saved = {name: os.environ.get(name) for name in variables}
     os.environ.update(variables)
     try:
