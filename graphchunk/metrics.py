@@ -205,8 +205,8 @@ class MetricsPublisher:
         self.index = [FIELDS.index(name) for name in fields]
 
     def publish(self, metrics: CacheMetrics) -> None:
-        snapshot = metrics.snapshot()
-        self.values[self.index] = [snapshot[name] for name in self.fields]
+        """Writes the fields' current values: costs their count (no snapshot of the rest)."""
+        self.values[self.index] = [getattr(metrics, name) for name in self.fields]
 
 
 def engine_metrics_file(engine: int) -> str | None:

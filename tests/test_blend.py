@@ -279,17 +279,17 @@ def test_recompute_forwards_respect_the_token_budget():
     assert [c[1] for c in device.calls] == [[(3, 7)], [(7, 11)], [(11, 14)]]
 
 
-def test_worker_runs_blend_as_full_prefill_where_it_cannot_blend():
-    """A blend request that reaches a worker whose model cannot move keys (or cannot narrow its
-    layers, for CacheBlend) gets no policy: it runs as an ordinary prompt, blend's exact target. The
-    scheduler's connector, told what the model allows by the workers' handshake, decides alike (it
-    then loads nothing: vLLM computes the full prefill)."""
+def test_blend_runs_as_full_prefill_where_the_model_cannot_blend():
+    """A blend request for a model that cannot move keys (or cannot narrow its layers, for
+    CacheBlend) gets no policy: the scheduler's connector, told what the model allows by the
+    workers' handshake, reads it as an ordinary prompt (it loads nothing: vLLM computes the full
+    prefill, blend's exact target), and the workers, which hold only the segmented requests the
+    scheduler names (``StepWork.requests``), run it as one."""
     from types import SimpleNamespace
 
     from graphchunk.config import GraphChunkConfig
     from graphchunk.engine.blend_support import BlendSupport
-    from graphchunk.engine.chunk_engine import ChunkEngine
-    from graphchunk.engine.context_scheduler import PoolHandshake
+    from graphchunk.engine.context_scheduler import ContextScheduler, PoolHandshake
     from graphchunk.engine.frontend import chunk_request
 
     args = {"graphchunk_boundaries": [2, 5, 8], "graphchunk_mode": "blend", "graphchunk_recompute": "cacheblend",
@@ -297,13 +297,12 @@ def test_worker_runs_blend_as_full_prefill_where_it_cannot_blend():
 
     def registered(blend: BlendSupport, extra_args: dict):
         handshake = PoolHandshake(0, 1, 4, None, blend.refusal, blend.check_refusal)  # the workers' to the scheduler
-        engine = ChunkEngine(GraphChunkConfig(), None, None, None, handshake, 0)
-        new_req = SimpleNamespace(req_id="r", prompt_token_ids=list(range(12)),
-                                  sampling_params=SimpleNamespace(extra_args=extra_args))
-        engine._register(new_req)
-        request = engine.requests.get("r")
-        assert handshake.runs(chunk_request(list(range(12)), extra_args, GraphChunkConfig())) == (request is not None)
-        return None if request is None else request.policy
+        scheduler = ContextScheduler(GraphChunkConfig(), handshake)
+        scheduler.publisher = None
+        scheduler._request("r", list(range(12)), extra_args)
+        segmented = scheduler._segmented([SimpleNamespace(req_id="r")])
+        assert handshake.runs(chunk_request(list(range(12)), extra_args, GraphChunkConfig())) == bool(segmented)
+        return segmented[0][1].policy if segmented else None
 
     assert registered(BlendSupport(object()), args) == RecomputePolicy("cacheblend", 0.3, 4)
     no_check = BlendSupport(object(), check_refusal="no layer range")

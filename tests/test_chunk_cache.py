@@ -118,7 +118,7 @@ def test_context_slots_hold_isolated_kv(sys_len):
     cc.materialize([prompt], device)
     check_context(device, prompt)
     cc.pool.check_invariants()
-    assert cc.pool.metrics.pool_blocks_used > 0 and all(e.ref_count == 0 for e in cc.pool._live)
+    assert cc.pool.metrics.pool_blocks_used > 0 and all(e.ref_count == 0 for e in cc.pool._live.values())
 
 
 def test_second_request_reuses_chunks_in_any_order():
@@ -150,7 +150,7 @@ def test_key_temperature_divides_only_the_chunk_keys_copied_into_its_request():
         for t in range(seg.layout.context_len):
             want = 1.0 if t < seg.layout.sys_len else chunk_temperature
             assert device.temperatures[device.slot(prompt.block_ids, t)] == want, f"token {t}"
-    pool_slots = {b * BS + o for e in cc.pool._live for b in e.block_ids for o in range(BS)}
+    pool_slots = {b * BS + o for e in cc.pool._live.values() for b in e.block_ids for o in range(BS)}
     assert pool_slots and not pool_slots & set(device.temperatures), "a copy wrote into the pool"
     assert (cc.metrics.misses, cc.metrics.hits) == (2, 2)
 

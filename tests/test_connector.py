@@ -161,7 +161,6 @@ def test_a_full_pool_defers_a_request_an_abort_releases_its_plan_and_one_that_ne
     assert so.num_scheduled_tokens == {"a": 20}
     scheduler.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
     step(scheduler, done_before=2)
-    pool.audit()
     assert pool.metrics.pool_refs_held == 0
     pool.check_invariants()
 

@@ -142,7 +142,7 @@ class ContextPlanner:
         self.block_size = pool.block_size
         self._next_job = 0
         self._running: dict[int, _Job] = {}
-        """Jobs not yet reported run."""
+        """Jobs not yet reported run, in increasing id order (ids are handed out in order)."""
 
     def plan(self, seg: SegmentedPrompt, salt: str | None, mode: str, start: int, end: int) -> RequestPlan:
         plan = RequestPlan()
@@ -218,8 +218,9 @@ class ContextPlanner:
             self.pool.forget(set(epochs))
 
     def finish_jobs(self, done_before: int) -> None:
-        """The workers have run every job with an id below ``done_before``."""
-        for job_id in [j for j in self._running if j < done_before]:
+        """The workers have run every job with an id below ``done_before`` (``_running`` holds ids in
+        increasing order: only the jobs finished are touched)."""
+        while self._running and (job_id := next(iter(self._running))) < done_before:
             job = self._running.pop(job_id)
             self.pool.mark_ready(job.entry)
             job.entry.job_id = -1

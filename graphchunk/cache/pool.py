@@ -4,6 +4,14 @@ Blocks are ids in ``[first_block_id, first_block_id + num_blocks)`` of the per-l
 the pool only does the bookkeeping. Entries in use (``ref_count > 0``) are never evicted;
 unused ones stay cached and, when blocks run out, are evicted in the order of the pool's
 eviction policy (``eviction.py``: ``lru``, ``lfu``, ``gdsf``; default ``DEFAULT_POLICY``).
+
+**Cost rule.** Every operation costs what it touches (the entry looked up, inserted, released,
+evicted or forgotten), never the pool's size: it runs inside vLLM's ``schedule()`` several times a
+step and once per request, and a pool of a GPU's KV budget holds thousands to a hundred thousand
+entries (DESIGN.md §10). The accounting a leak would show in (references held, blocks used that no
+indexed entry owns: the gauges ``pool_refs_held``, ``pool_blocks_leaked``) is kept in the metrics
+by each operation, as it changes; ``check_invariants`` recounts everything by walking the pool,
+for tests only.
 """
 from __future__ import annotations
 
@@ -60,7 +68,13 @@ class ChunkPool:
         self.policy = make_policy(policy)
         self._evictable: dict[bytes, PoolEntry] = {}
         self._evictable_blocks = 0
-        self._live: set[PoolEntry] = set()
+        self._live: dict[int, PoolEntry] = {}
+        """Entries holding blocks, by epoch (indexed or not: one whose key collided, one forgotten
+        while in use)."""
+        self._refs_held = 0
+        """Sum of the live entries' ``ref_count`` (the metrics' ``pool_refs_held``)."""
+        self._indexed_blocks = 0
+        """Blocks held by indexed entries."""
         self._epochs = 0
         self.listener = None
         """Told of entries that became ready (``stored(entry)``) and of ready entries dropped
@@ -73,7 +87,7 @@ class ChunkPool:
     @property
     def in_use(self) -> bool:
         """Whether any entry is referenced (a plan, a job): blocks that may be freed later."""
-        return any(entry.ref_count for entry in self._live)
+        return self._refs_held > 0
 
     def blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
@@ -113,13 +127,18 @@ class ChunkPool:
         entry.indexed = key not in self._index
         if entry.indexed:
             self._index[key] = entry
+            self._indexed_blocks += needed
             self.policy.inserted(entry, num_tokens if cost is None else cost)
-        self._live.add(entry)
+        self._live[entry.epoch] = entry
+        self._refs_held += 1
+        self.metrics.pool_refs_held = self._refs_held
         self._update_usage()
         return entry
 
     def acquire(self, entry: PoolEntry) -> None:
         entry.ref_count += 1
+        self._refs_held += 1
+        self.metrics.pool_refs_held = self._refs_held
         if entry.indexed and self._evictable.pop(entry.key, None) is not None:
             self._evictable_blocks -= len(entry.block_ids)
             self.policy.in_use(entry)
@@ -128,6 +147,8 @@ class ChunkPool:
         if entry.ref_count < 1:
             raise RuntimeError(f"release of an entry not in use: {entry.key.hex()}")
         entry.ref_count -= 1
+        self._refs_held -= 1
+        self.metrics.pool_refs_held = self._refs_held
         if entry.ref_count:
             return
         if entry.indexed and entry.ready:
@@ -146,7 +167,7 @@ class ChunkPool:
         """Drops from the index every live entry whose epoch is in ``epochs`` (a worker found it not
         holding what was planned): no later lookup finds it, and its blocks are freed with its last
         reference. Returns how many entries left the index."""
-        bad = [entry for entry in self._live if entry.indexed and entry.epoch in epochs]
+        bad = [entry for epoch in epochs if (entry := self._live.get(epoch)) is not None and entry.indexed]
         for entry in bad:
             if entry.ref_count:
                 self._unindex(entry)
@@ -171,6 +192,8 @@ class ChunkPool:
         if self.listener is not None and entry.ready:
             self.listener.removed(entry)
         del self._index[entry.key]
+        self._indexed_blocks -= len(entry.block_ids)
+        self._update_usage()
         if self._evictable.pop(entry.key, None) is not None:
             self._evictable_blocks -= len(entry.block_ids)
         self.policy.dropped(entry)
@@ -179,28 +202,31 @@ class ChunkPool:
     def _drop(self, entry: PoolEntry) -> None:
         if entry.indexed:
             self._unindex(entry)
-        self._live.discard(entry)
+        del self._live[entry.epoch]
         self._free.extend(reversed(entry.block_ids))
         entry.block_ids = []
         self._update_usage()
 
     def _update_usage(self) -> None:
-        self.metrics.pool_blocks_used = self.num_blocks - len(self._free)
-
-    def audit(self) -> None:
-        """Publishes the accounting a leak would show in: references held (0 between steps,
-        when no entry is in use) and blocks used that no indexed entry owns (0 between steps)."""
-        self.metrics.pool_refs_held = sum(e.ref_count for e in self._live)
-        indexed = sum(len(e.block_ids) for e in self._index.values())
-        self.metrics.pool_blocks_leaked = self.num_blocks - len(self._free) - indexed
+        """Blocks used, and those no indexed entry owns (0 between steps: an entry forgotten while
+        in use holds its blocks until its last release)."""
+        used = self.num_blocks - len(self._free)
+        self.metrics.pool_blocks_used = used
+        self.metrics.pool_blocks_leaked = used - self._indexed_blocks
 
     def check_invariants(self) -> None:
-        """Raises AssertionError when the accounting is off (used by tests and debug builds)."""
-        owned = [b for e in self._live for b in e.block_ids]
+        """Raises AssertionError when the accounting is off, recounting it by walking every entry
+        (tests; never on the hot path)."""
+        assert all(epoch == e.epoch for epoch, e in self._live.items()), "a live entry under another epoch"
+        assert self._refs_held == sum(e.ref_count for e in self._live.values()), "references miscounted"
+        assert self._indexed_blocks == sum(len(e.block_ids) for e in self._index.values()), "indexed blocks miscounted"
+        owned = [b for e in self._live.values() for b in e.block_ids]
         all_blocks = owned + self._free
         assert len(all_blocks) == len(set(all_blocks)) == self.num_blocks, "a block is lost or owned twice"
         assert set(all_blocks) == set(range(self.first_block_id, self.first_block_id + self.num_blocks))
         assert all(e.ref_count == 0 and e.ready for e in self._evictable.values()), "evictable entry in use"
         assert self._evictable_blocks == sum(len(e.block_ids) for e in self._evictable.values())
-        assert all(e in self._live for e in self._index.values()), "indexed entry without blocks"
+        assert all(self._live.get(e.epoch) is e for e in self._index.values()), "indexed entry without blocks"
         assert self.metrics.pool_blocks_used == len(owned)
+        assert self.metrics.pool_refs_held == self._refs_held
+        assert self.metrics.pool_blocks_leaked == len(owned) - self._indexed_blocks

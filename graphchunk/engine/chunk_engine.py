@@ -9,9 +9,10 @@ and the segmented requests the worker holds. vLLM's hooks call it in step order:
 
 ``step``              (around ``execute_model``) forgets finished requests (and drops their pending
                       asynchronous loads, reported loaded unfilled: vLLM frees the blocks of a
-                      request that left while it waited only once its load is reported), reads new ones, takes
+                      request that left while it waited only once its load is reported), takes
                       the step's work from graphchunk's connector metadata (``context_scheduler``:
-                      jobs, fills, asynchronous loads), computes misses up to the step's budget
+                      the new segmented requests as the scheduler read them, jobs, fills,
+                      asynchronous loads), computes misses up to the step's budget
                       (``graphchunk.miss_budget``), fills the asynchronous loads whose jobs have
                       all run (reported loaded to vLLM through the connector, also when the fill
                       failed its check: its blocks are then invalid and vLLM fails the request),
@@ -24,9 +25,13 @@ and the segmented requests the worker holds. vLLM's hooks call it in step order:
                       its check, or that the scheduler refused, leaves the request's blocks in
                       ``take_invalid`` (the connector reports them: vLLM fails the request);
 ``rewrite_positions`` (after vLLM prepared the batch) gives isolated requests' question and
-                      generated tokens their RoPE positions (DESIGN.md §2);
+                      generated tokens their RoPE positions (DESIGN.md §2), in one add;
 ``count_step``        (``_determine_batch_execution_and_padding``) counts how vLLM ran a step with a
                       cached-chunk prefill: on a graph at its size, padded, or eager.
+
+A step's host work follows the step's work (DESIGN.md §10): requests are read once, by the
+scheduler; planning reads only the requests still in their prompt (``prompting``); the position
+rewrite is a fixed set of tensor operations over the step's tokens, whatever the batch holds.
 """
 from __future__ import annotations
 
@@ -34,13 +39,14 @@ import contextlib
 import dataclasses
 from typing import Iterator
 
+import numpy as np
 import torch
 
 from graphchunk.cache.context_run import ContextRunner
 from graphchunk.config import GraphChunkConfig
 from graphchunk.engine.connector import work_of
 from graphchunk.engine.context_scheduler import ContextLoad, PoolHandshake
-from graphchunk.engine.frontend import UNCHUNKED_ARG, ChunkRequest, chunk_request
+from graphchunk.engine.frontend import UNCHUNKED_ARG, ChunkRequest
 from graphchunk.engine.runner_kv import RunnerKV
 from graphchunk.engine.step_plan import StepPlan, plan_step
 from graphchunk.graphs.bucket_counts import BucketCounts
@@ -62,6 +68,14 @@ class ChunkEngine:
     publisher: MetricsPublisher | None = None
     """Publishes the metrics after every step for the API process's /metrics; None: nobody reads them."""
     requests: dict[str, ChunkRequest] = dataclasses.field(default_factory=dict)
+    """The segmented requests the worker holds, by id (from the step that first schedules them to
+    the step that names them finished)."""
+    prompting: dict[str, ChunkRequest] = dataclasses.field(default_factory=dict)
+    """Those whose prompt vLLM has not computed to its end yet (``plan_step`` reads only these: a
+    decoding request costs the plan nothing)."""
+    shifted: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    """Isolated requests whose question sits at other positions than its logical indices, by id:
+    (context length, position offset) (``rewrite_positions``)."""
     plan: StepPlan | None = None
     """The plan of the step vLLM is running (inside ``step``), else None."""
     loads: list[ContextLoad] = dataclasses.field(default_factory=list)
@@ -74,12 +88,11 @@ class ChunkEngine:
         """Runs the step's graphchunk work due before vLLM prepares scheduler output ``so``, and
         plans the rest; vLLM runs the step inside."""
         for req_id in so.finished_req_ids:
-            self.requests.pop(req_id, None)
+            self._forget(req_id)
         if self.loads and so.finished_req_ids:
             self._drop_loads(so.finished_req_ids)
-        for new_req in so.scheduled_new_reqs:
-            self._register(new_req)
         work = work_of(so.kv_connector_metadata)
+        self._register(so, work.requests)
         self.runner.add_jobs(work.jobs)
         self.runner.count(work.counts)
         self.loads += work.loads
@@ -90,8 +103,10 @@ class ChunkEngine:
             self.runner.run_jobs(self.kv, budget)
             self._complete_loads()
         choose = self.counts.choose if self.counts is not None else None
-        self.plan = plan_step(so, work.fills, self.requests, choose)
+        self.plan = plan_step(so, work.fills, self.prompting, choose)
         self.metrics.tokens_computed += self.plan.tokens_computed
+        for req_id in self.plan.prompted:
+            del self.prompting[req_id]
         try:
             yield self.plan
         finally:
@@ -101,14 +116,28 @@ class ChunkEngine:
                 self.runner.capture(work.captures, self.kv, self.kv.request_blocks)
         self.publish()
 
-    def _register(self, new_req) -> None:
-        args = (new_req.sampling_params.extra_args or {}) if new_req.sampling_params else {}
-        if args.get(UNCHUNKED_ARG):
-            self.metrics.documents_unchunked += 1
-        request = chunk_request(new_req.prompt_token_ids, args, self.config)
-        if request is None or not self.pool.runs(request):
-            return  # an ordinary prompt: vLLM computes the full prefill (blend's target, too)
-        self.requests[new_req.req_id] = request
+    def _register(self, so, segmented) -> None:
+        """Holds the step's new segmented requests (read once, by the scheduler's connector:
+        ``StepWork.requests``), and counts the new requests whose documents ran as ordinary prompts.
+        A request vLLM resumes after preemption computes its question again: it is prompting again."""
+        for new_req in so.scheduled_new_reqs:
+            params = new_req.sampling_params
+            if params is not None and params.extra_args and params.extra_args.get(UNCHUNKED_ARG):
+                self.metrics.documents_unchunked += 1
+        for req_id, request in segmented:
+            self.requests[req_id] = self.prompting[req_id] = request
+            layout = request.seg.layout
+            if request.policy is None and layout.position_offset:
+                self.shifted[req_id] = (layout.context_len, layout.position_offset)
+        for req_id in so.scheduled_cached_reqs.resumed_req_ids:
+            request = self.requests.get(req_id)
+            if request is not None:
+                self.prompting[req_id] = request
+
+    def _forget(self, req_id: str) -> None:
+        self.requests.pop(req_id, None)
+        self.prompting.pop(req_id, None)
+        self.shifted.pop(req_id, None)
 
     def _drop_loads(self, finished) -> None:
         """Drops the pending loads of requests that left (aborted, failed) before their jobs ran,
@@ -168,19 +197,20 @@ class ChunkEngine:
 
     def rewrite_positions(self, batch, query_start, positions: torch.Tensor) -> None:
         """On vLLM's prepared batch: ``query_start`` its requests' token offsets, ``positions`` its
-        persistent position buffer."""
-        if not self.requests:
+        persistent position buffer. One host-to-device copy and one add, however many requests
+        (``position_shift``)."""
+        if not self.shifted:
             return
-        for req_id, index in batch.req_id_to_index.items():
-            request = self.requests.get(req_id)
-            if request is None:
-                continue
-            begin, end = int(query_start[index]), int(query_start[index + 1])
-            if request.policy is not None:  # blend: ordinary positions
-                continue
-            layout = request.seg.layout
-            first = begin + max(0, layout.context_len - int(batch.num_computed_tokens_cpu[index]))
-            positions[first:end] += layout.position_offset
+        rows = batch.req_id_to_index
+        found = [(row, context_len, offset) for req_id, (context_len, offset) in self.shifted.items()
+                 if (row := rows.get(req_id)) is not None]
+        if not found:
+            return
+        row, context_len, offset = np.array(found, np.int64).T
+        shift = position_shift(np.asarray(query_start), np.asarray(batch.num_computed_tokens_cpu), row, context_len,
+                               offset)
+        if shift is not None:
+            positions[:len(shift)] += torch.from_numpy(shift).to(positions.device, non_blocking=True)
 
     def count_step(self, num_tokens: int, padded_tokens: int, ran_graph: bool) -> None:
         """Counts a step with a cached-chunk prefill: vLLM ran ``num_tokens`` tokens as
@@ -200,3 +230,21 @@ class ChunkEngine:
     def stats(self) -> dict[str, float]:
         return self.metrics.snapshot()
 
+
+
+def position_shift(query_start: np.ndarray, num_computed: np.ndarray, row: np.ndarray, context_len: np.ndarray,
+                   offset: np.ndarray) -> np.ndarray | None:
+    """What to add to a step's positions (from the step's first token to the last one shifted):
+    ``offset`` on every token of batch row ``row`` at or past its request's ``context_len`` (an
+    isolated request's question and generated tokens, DESIGN.md §2), 0 elsewhere; None when no
+    token moves. Vectorized over the rows: the step's cost does not multiply with its requests."""
+    begin, end = query_start[row], query_start[row + 1]
+    first = begin + np.maximum(0, context_len - num_computed[row])
+    moves = first < end
+    if not moves.any():
+        return None
+    first, end, offset = first[moves], end[moves], offset[moves]
+    edges = np.zeros(int(end.max()) + 1, np.int64)
+    edges[first] += offset  # the rows' ranges are disjoint: within each of these, indices are distinct
+    edges[end] -= offset
+    return np.cumsum(edges[:-1])

@@ -38,9 +38,10 @@ Per segmented request (``ChunkRequest``, read once from what graphchunk's fronte
               written to the tier.
 ``allocated`` (vLLM allocated its blocks) turns the plan into a load: a fill this step (hits), or
               a load the workers complete by themselves once its jobs have run (isolated misses).
-``metadata``  (vLLM builds the step's metadata) sends the step's new jobs, fills and loads and
-              the plans' counts (the pool's own metrics are published from here), then releases
-              the plans of the step's fills.
+``metadata``  (vLLM builds the step's metadata) sends the step's new jobs, fills and loads, the
+              plans' counts and the step's new segmented requests as read here (the workers read
+              no request again; the pool's own metrics are published from here, once a step),
+              then releases the plans of the step's fills.
 ``reported``  the workers' first unfinished job: earlier jobs' entries become ready; entries the
               workers found bad (a job that read the wrong input, a copy that failed its check)
               leave the index at once (``entries_failed``): the next request computes them again.
@@ -147,6 +148,9 @@ class StepWork:
     counts: tuple = ()
     captures: tuple[EntryCapture, ...] = ()
     """New blend entries filled from requests' own slots after this step's forward."""
+    requests: tuple[tuple[str, ChunkRequest], ...] = ()
+    """The step's new requests (vLLM's ``scheduled_new_reqs``) that run segmented, as the scheduler
+    read them: the workers hold these instead of reading each request again."""
 
 
 def computed_before(so) -> dict[str, int]:
@@ -259,7 +263,8 @@ class ContextScheduler:
                 return state.context_len - num_computed, False
             self._jobs += plan.jobs
             self._counts += plan.counts
-            state.plan, state.start = plan, num_computed
+            self._hold(state, plan)
+            state.start = num_computed
         load_async = state.plan.needs >= self._done_before
         if load_async and state.chunked.policy is not None:
             return None, False  # blend: loaded synchronously once its jobs have run (module docstring)
@@ -295,7 +300,7 @@ class ContextScheduler:
             self._fills.append(load)
             self._recompute_tokens += self._recompute_cost(state.chunked)
             self._sent.append(state.plan)  # released once the step's metadata is built, not before
-            state.plan = None
+            self._hold(state, None)
         else:
             self._loads.append(load)
             state.waiting = True
@@ -304,7 +309,8 @@ class ContextScheduler:
         """The step's work; ``so``, its scheduler output (which requests complete their context in it)."""
         captures = self._captures(so) if self._capturing else ()
         self.publish()
-        work = StepWork(tuple(self._jobs), tuple(self._fills), tuple(self._loads), tuple(self._counts), captures)
+        work = StepWork(tuple(self._jobs), tuple(self._fills), tuple(self._loads), tuple(self._counts), captures,
+                        self._segmented(so.scheduled_new_reqs))
         self._jobs, self._fills, self._loads, self._counts = [], [], [], []
         self._recompute_tokens = 0
         for plan in self._sent:
@@ -314,6 +320,15 @@ class ContextScheduler:
             self._compute_for_later(request)
         self._for_later = []
         return work
+
+    def _segmented(self, new_reqs) -> tuple[tuple[str, ChunkRequest], ...]:
+        """(id, request) of the new requests that run segmented (``_request`` read them once)."""
+        found = []
+        for new_req in new_reqs:
+            state = self._requests.get(new_req.req_id)
+            if state is not None and state.chunked is not None:
+                found.append((new_req.req_id, state.chunked))
+        return tuple(found)
 
     def _captures_from(self, state: _Request, start: int) -> bool:
         """Whether a request run as vLLM's full prefill from token ``start`` on fills new blend
@@ -379,19 +394,25 @@ class ContextScheduler:
         self.planner.release(plan)
 
     def publish(self) -> None:
-        """Audits the pool and publishes its metrics (``POOL_FIELDS``) for /metrics and ``GraphChunkLLM.stats``."""
-        self.pool.audit()
-        self.metrics.blend_requests_pending = sum(
-            state.plan is not None and state.chunked.policy is not None for state in self._requests.values())
+        """Publishes the pool's metrics (``POOL_FIELDS``) for /metrics and ``GraphChunkLLM.stats``:
+        once a step (``metadata``), and when the last request leaves (``_publish_if_idle``: an idle
+        engine builds no metadata). Costs the fields' count: every one is kept as it changes."""
         if self.publisher is not None:
             self.publisher.publish(self.metrics)
+
+    def _publish_if_idle(self) -> None:
+        """Publishes when no request is left: vLLM schedules no step for an idle engine, so what
+        the last report or the last request's end changed would otherwise never reach /metrics.
+        While requests remain, the next step's metadata publishes it."""
+        if not self._requests:
+            self.publish()
 
     def reported(self, done_before: int, failed=()) -> None:
         """The workers' first unfinished job, and the epochs of entries they found bad."""
         self._done_before = max(self._done_before, done_before)
         self.planner.finish_jobs(self._done_before)
         self.planner.fail_entries(failed)
-        self.publish()
+        self._publish_if_idle()
 
     def loaded(self, req_id: str) -> None:
         """The workers filled the request's context (its asynchronous load is complete)."""
@@ -405,7 +426,7 @@ class ContextScheduler:
         state = self._requests.pop(req_id, None)
         if state is not None:
             self._drop_plan(state)
-            self.publish()
+        self._publish_if_idle()
 
     def reset(self) -> int:
         return self.pool.clear()
@@ -431,4 +452,11 @@ class ContextScheduler:
     def _drop_plan(self, state: _Request) -> None:
         if state.plan is not None:
             self.planner.release(state.plan)
-        state.plan, state.waiting = None, False
+        self._hold(state, None)
+        state.waiting = False
+
+    def _hold(self, state: _Request, plan: RequestPlan | None) -> None:
+        """Sets the request's plan, keeping the gauge of blend requests holding one (no walk)."""
+        if state.chunked is not None and state.chunked.policy is not None:
+            self.metrics.blend_requests_pending += (plan is not None) - (state.plan is not None)
+        state.plan = plan

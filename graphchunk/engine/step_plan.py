@@ -29,27 +29,34 @@ class StepPlan:
     """The step has a cached-chunk prefill (a question over cached context): counted by how it ran."""
     bucket: Bucket | None = None
     """The grid's bucket holding the step, when every request in it computes only its question."""
+    prompted: tuple[str, ...] = ()
+    """Segmented requests whose prompt this step computes to its end: from the next step on they
+    decode, and planning no longer reads them."""
 
 
 ChooseBucket = Callable[[list[RequestShape]], Bucket | None]
 """The grid's bucket choice for a step's question-only requests (``BucketCounts.choose``)."""
 
 
-def plan_step(so, fills: tuple[ContextLoad, ...], requests: dict[str, ChunkRequest],
+def plan_step(so, fills: tuple[ContextLoad, ...], prompting: dict[str, ChunkRequest],
               choose: ChooseBucket | None) -> StepPlan:
-    """``fills``: the step's fills (its connector metadata); ``requests``: the segmented requests by
-    id; ``choose``: the grid's bucket choice (None: no grid)."""
-    computed = computed_before(so)
-    questions, tokens_computed = [], 0
-    for req_id, num_tokens in so.num_scheduled_tokens.items():
-        request = requests.get(req_id)
-        if request is None:
+    """``fills``: the step's fills (its connector metadata); ``prompting``: the segmented requests
+    whose prompt is not computed to its end, by id (decoding ones change nothing here: the plan
+    costs the step's prompts, not its batch); ``choose``: the grid's bucket choice (None: no grid)."""
+    scheduled = so.num_scheduled_tokens
+    computed = computed_before(so) if prompting else {}
+    questions, tokens_computed, prompted = [], 0, []
+    for req_id, request in prompting.items():
+        num_tokens = scheduled.get(req_id)
+        if num_tokens is None:
             continue
         lay = request.seg.layout
         start = computed[req_id]
         tokens_computed += max(0, min(start + num_tokens, lay.num_tokens) - max(start, lay.context_len))
         if lay.context_len <= start < lay.num_tokens:
             questions.append(RequestShape(lay.sys_len, lay.chunk_lens, num_tokens))
+        if start + num_tokens >= lay.num_tokens:
+            prompted.append(req_id)
     counted = bool(questions) and choose is not None
-    bucket = choose(questions) if counted and len(questions) == len(so.num_scheduled_tokens) else None
-    return StepPlan(tuple(fills), tokens_computed, counted, bucket)
+    bucket = choose(questions) if counted and len(questions) == len(scheduled) else None
+    return StepPlan(tuple(fills), tokens_computed, counted, bucket, tuple(prompted))
