@@ -67,6 +67,21 @@ class SegmentedPrompt:
         ends = [lay.sys_len, *(s + n for s, n in zip(lay.chunk_starts(), lay.chunk_lens)), lay.num_tokens]
         return list(zip(starts, ends))
 
+    def __getstate__(self) -> dict:
+        """Pickled (to the workers, in the connector's metadata) without what was derived and
+        kept on it (``bounds``, ``token_array``, the planner's content keys): they are made again."""
+        return {"token_ids": self.token_ids, "layout": self.layout}
+
+    @cached_property
+    def token_array(self) -> np.ndarray:
+        """``token_ids`` as int64, made once: content keys hash slices of it (``cache/keys.py``)."""
+        return np.fromiter(self.token_ids, np.int64, len(self.token_ids))
+
+    def segment_array(self, i: int) -> np.ndarray:
+        """Segment ``i``'s tokens (0: sys, 1 + j: chunk j) as a slice of ``token_array``."""
+        start, end = self.bounds[i]
+        return self.token_array[start:end]
+
     @property
     def sys_tokens(self) -> tuple[int, ...]:
         return self.token_ids[: self.layout.sys_len]
@@ -95,7 +110,8 @@ def make_segmented(token_ids: Sequence[int], starts: Sequence[int], max_chunks: 
         if length > max_chunk_len:
             raise SegmentationError(
                 f"chunk {i + 1} of {len(chunk_lens)} has {length} tokens, more than max_chunk_len={max_chunk_len}")
-    return SegmentedPrompt(tuple(int(t) for t in token_ids), Layout(lens[0], chunk_lens, lens[-1]))
+    ids = tuple(token_ids.tolist() if hasattr(token_ids, "tolist") else token_ids)  # an array or tensor: as ints
+    return SegmentedPrompt(ids, Layout(lens[0], chunk_lens, lens[-1]))
 
 
 def split_at(token_ids: Sequence[int], boundaries: Sequence[int], *, max_chunks: int,

@@ -65,13 +65,15 @@ def filled(layout, backend, dtype, seed: int):
 def copier_for(caches, backend, dtype, path: str = "strided") -> KVCopier:
     """The runner's path (``kv_binding.probe_kv_layout``): probe on layer 0's real cache, verify
     on its last slot, one copier over every layer, writing through the backend's op as the
-    runner's does. ``path`` 'gather' and 'gather-elements' take the path of layouts that are not
-    affine (flat gathers), written through the backend's op or element by element."""
+    runner's does. ``path`` 'indexed' copies every slot with one gather and one scatter per view
+    (the accelerators' path on affine layouts); 'gather' and 'gather-elements' take the path of
+    layouts that are not affine (flat gathers), written through the backend's op or element by element."""
     write_kv = writer(backend, dtype)
     slot_map = KVSlotMap.probe(write_kv, caches[0], 0, BS, HEADS, DIM)
     slot_map.verify(write_kv, caches[0], BLOCKS * BS - 1)
-    copier = KVCopier(caches, slot_map, BLOCKS, 0, writers=None if path == "gather-elements" else [write_kv] * LAYERS)
-    if path != "strided":
+    copier = KVCopier(caches, slot_map, BLOCKS, 0, writers=None if path == "gather-elements" else [write_kv] * LAYERS,
+                      gather=path == "indexed")
+    if path not in ("strided", "indexed"):
         copier.views = None
     return copier
 
@@ -139,7 +141,7 @@ def test_flash_write_reference_follows_the_logical_view(layout, dtype):
 
 # --- graphchunk's copies ---------------------------------------------------------------------------
 
-PATHS = ["strided", "gather", "gather-elements"]
+PATHS = ["strided", "indexed", "gather", "gather-elements"]
 
 
 @pytest.mark.parametrize("key_temperature", [1.0, 0.7], ids=["plain", "temperature"])

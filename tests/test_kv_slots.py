@@ -35,7 +35,7 @@ def layer_caches(dtype, shared: bool):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shared", [True, False])
-@pytest.mark.parametrize("strided", [True, False])
+@pytest.mark.parametrize("strided", [True, False, "gather"])
 def test_copy_equals_writing_at_the_destination(dtype, shared, strided):
     write_kv = write(dtype)
     slot_map = cpu_slot_map(write_kv, dtype)
@@ -52,7 +52,7 @@ def test_copy_equals_writing_at_the_destination(dtype, shared, strided):
         write_kv(key, value, g, torch.from_numpy(src))
         write_kv(key, value, w, torch.from_numpy(src))
         write_kv(key, value, w, torch.from_numpy(dst))
-    copier = KVCopier(got, slot_map, BLOCKS)
+    copier = KVCopier(got, slot_map, BLOCKS, gather=strided == "gather")
     assert (copier.layer_stride is not None) == shared
     if not strided:
         copier.views = None  # the flat-gather path used for non-affine layouts
@@ -72,7 +72,7 @@ def test_runs_split_at_breaks_and_block_edges():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shared", [True, False])
-@pytest.mark.parametrize("strided", [True, False])
+@pytest.mark.parametrize("strided", [True, False, "gather"])
 def test_rotated_copy_equals_writing_rotated_keys_at_the_destination(dtype, shared, strided):
     """Blend mode's copy: K rotated by each slot's delta, V as is, in every layer; read_keys reads
     back what was written."""
@@ -91,7 +91,7 @@ def test_rotated_copy_equals_writing_rotated_keys_at_the_destination(dtype, shar
         write_kv(key, value, g, torch.from_numpy(src))
         write_kv(key, value, w, torch.from_numpy(src))
         write_kv(rotation.rotate(key, torch.from_numpy(deltas)), value, w, torch.from_numpy(dst))
-    copier = KVCopier(got, slot_map, BLOCKS)
+    copier = KVCopier(got, slot_map, BLOCKS, gather=strided == "gather")
     if not strided:
         copier.views = None
     copier.copy_slots_rotated(src, dst, deltas, rotation)

@@ -147,3 +147,59 @@ def test_the_pool_keeps_its_accounting_as_it_changes():
         pool.release(entry)
     pool.check_invariants()
     assert pool.metrics.pool_refs_held == 0 and pool.metrics.pool_blocks_leaked == 0 and not pool.in_use
+
+
+def filled_contexts(num_reqs: int, rotated: bool, gather: bool = True):
+    """The context fills of one step (``ContextRunner.copy``) of ``num_reqs`` requests, each a sys
+    prompt and four chunks read from ten pool entries, over vLLM's CPU KV layout (the copier's
+    indexed path: ``gather``); returns the caches and a function running the copies."""
+    from graphchunk.blend.rope import KeyRotation
+    from graphchunk.cache.context_plan import UnitCopy
+    from graphchunk.cache.context_run import ContextRunner
+    from graphchunk.cache.kv_slots import KVCopier, KVSlotMap
+    from graphchunk.metrics import CacheMetrics
+    from test_kv_slots import BS, DIM, HEADS, write
+
+    layers, pool, per_request = 2, 20, 2
+    blocks = pool + per_request * num_reqs
+    buffer = torch.randn(layers, blocks, HEADS, BS, 2 * DIM, generator=torch.Generator().manual_seed(num_reqs))
+    caches = [buffer[i] for i in range(layers)]
+    slot_map = KVSlotMap.probe(write(torch.float32), caches[0], 0, BS, HEADS, DIM)
+    copier = KVCopier(caches, slot_map, blocks, gather=gather)
+    angles = torch.arange(64.0)[:, None] * (1e-2 ** (torch.arange(0, DIM, 2) / DIM))[None]
+    rotation = KeyRotation(torch.cat([angles.cos(), angles.sin()], dim=-1), DIM, is_neox_style=True)
+    device = SimpleNamespace(copy_slots=copier.copy_slots,
+                             copy_slots_rotated=lambda src, dst, deltas: copier.copy_slots_rotated(src, dst, deltas,
+                                                                                                    rotation))
+    runner = ContextRunner(BS, 64, CacheMetrics())
+    rng = random.Random(num_reqs)
+    entries = [((2 * e, 2 * e + 1), e + 1) for e in range(10)]  # (blocks, epoch)
+    for entry_blocks, epoch in entries:
+        runner.epochs.update({b: epoch for b in entry_blocks})
+    requests = []
+    for r in range(num_reqs):
+        units, lo = [], 0
+        for i, n in enumerate((5, 6, 6, 6, 6)):
+            entry_blocks, epoch = rng.choice(entries)
+            kind = "sys" if i == 0 else "rotated" if rotated else "chunk"
+            units.append(UnitCopy(entry_blocks, rng.randrange(8), lo, lo + n, lo, kind, epoch))
+            lo += n
+        request_blocks = [pool + per_request * r + b for b in range(per_request)]
+        requests.append((SimpleNamespace(block_ids=request_blocks, key_temperature=1.0, policy=None), units))
+    return caches, lambda: runner.copy(requests, device)
+
+
+@pytest.mark.parametrize("rotated", [False, True], ids=["isolated", "blend"])
+def test_a_step_s_context_fills_are_a_fixed_set_of_tensor_operations(rotated):
+    """Slot lists are built on the host; the copies of 8, 64 and 512 requests' contexts (five
+    segments each, every one from a pool entry at its own offset) are the same tensor operations,
+    and move what slicing each run of slots moves."""
+    counted = {}
+    for num_reqs in (8, 64, 512):
+        caches, run = filled_contexts(num_reqs, rotated)
+        counted[num_reqs] = tensor_ops(run)
+        if num_reqs == 8:
+            sliced, run_sliced = filled_contexts(num_reqs, rotated, gather=False)
+            run_sliced()
+            assert all(torch.equal(a, b) for a, b in zip(caches, sliced))
+    assert counted[8] == counted[64] == counted[512] and counted[8], counted

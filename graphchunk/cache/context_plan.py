@@ -244,12 +244,23 @@ class ContextPlanner:
 
     def _identity(self, seg, salt, mode, chunk: int | None) -> tuple[bytes, tuple[int, ...]]:
         """(key, tokens) of the sys prompt's entry (``chunk`` None) or of chunk ``chunk``'s: isolated,
-        ``sys ‖ chunk``; blend, ``blend_prefix ‖ chunk`` (the chunk alone when there is no prefix)."""
+        ``sys ‖ chunk``; blend, ``blend_prefix ‖ chunk`` (the chunk alone when there is no prefix).
+        Worked out once per prompt and kept on it (a request is checked and planned several
+        times, and its sys prompt looked up once per chunk); keys hash slices of its token array."""
+        memo = seg.__dict__.setdefault("_identities", {})
+        identity = memo.get((self.space, salt, mode, chunk))
+        if identity is None:
+            identity = memo[self.space, salt, mode, chunk] = self._compute_identity(seg, salt, mode, chunk)
+        return identity
+
+    def _compute_identity(self, seg, salt, mode, chunk: int | None) -> tuple[bytes, tuple[int, ...]]:
         if chunk is None:
-            return sys_key(self.space, seg.sys_tokens, salt, mode), tuple(seg.sys_tokens)
-        sys_tokens = tuple(seg.sys_tokens) if mode == "isolated" else tuple(self.space.blend_prefix)
-        chunk_tokens = tuple(seg.chunk_tokens(chunk))
-        return chunk_key(self.space, sys_tokens, chunk_tokens, salt, mode), sys_tokens + chunk_tokens
+            return sys_key(self.space, seg.segment_array(0), salt, mode), seg.sys_tokens
+        isolated = mode == "isolated"
+        sys_tokens = seg.sys_tokens if isolated else tuple(self.space.blend_prefix)
+        key = chunk_key(self.space, seg.segment_array(0) if isolated else sys_tokens, seg.segment_array(1 + chunk),
+                        salt, mode)
+        return key, sys_tokens + seg.chunk_tokens(chunk)
 
     def _acquire_sys(self, seg, salt, mode, plan: RequestPlan) -> PoolEntry:
         key, tokens = self._identity(seg, salt, mode, None)

@@ -10,8 +10,11 @@ scratch with the real cache's very strides (``KVSlotMap.probe``), reads back whe
 offset, K/V, head, dim) landed in storage, and checks the map once on the real cache's own
 unused pool slot (``KVSlotMap.verify``). Offsets are relative to a layer's first element, so they
 hold for every layer of any layout. When each of K and V is an affine (strided) map of (block,
-offset, head, dim), as on every GPU backend and on the CPU backend in fp32, copies run as strided
-slice copies over all layers at once, one per run of slots that are consecutive on both sides.
+offset, head, dim), as on every GPU backend and on the CPU backend in fp32, copies run over all
+layers at once: on an accelerator as one gather and one scatter of every slot per view (K, V; a
+fixed number of launches per step, however many requests and chunks it fills: ``gather``), on a
+CPU as strided slice copies, one per run of slots consecutive on both sides (no launch to pay
+there, and a slice moves ~5x faster than an indexed gather on these CPUs).
 Otherwise (the CPU backend in bf16 on CPUs with AMX tiles K for its kernel) the sources' K/V are
 gathered element by element, layer by layer, and written through the backend's own KV-write op
 (``writers``). Isolated mode's key temperature divides K as it is copied (V as is). Blend mode's
@@ -133,10 +136,12 @@ class KVCopier:
     """Copies slot KV between places in every layer's cache (positions unchanged: no rotation)."""
 
     def __init__(self, caches: list[torch.Tensor], slot_map: KVSlotMap, num_blocks: int, block_dim: int = 0,
-                 writers=None):
+                 writers=None, gather: bool | None = None):
         """``writers``: per layer, the backend's KV-write op ``write(key, value, cache, slots)`` (K/V
         [n, heads, head_size], ``slots`` a device tensor), through which copies on a layout that is
-        not affine write (without them, element by element into storage)."""
+        not affine write (without them, element by element into storage). ``gather``: copies on an
+        affine layout index every slot at once instead of slicing runs (default: off a CPU)."""
+        self.gather = caches[0].device.type != "cpu" if gather is None else gather
         self.caches = caches
         self.slot_map = slot_map
         self.block_dim = block_dim
@@ -166,11 +171,28 @@ class KVCopier:
             self._move(src, dst, None if key_temperature == 1 else lambda keys: keys / key_temperature)
             return
         if key_temperature == 1:
-            self._copy_runs(src, dst, self.views)
+            self._copy(src, dst, self.views)
             return
         half = len(self.views) // 2
-        self._copy_runs(src, dst, self.views[half:])
-        self._copy_runs(src, dst, self.views[:half], key_temperature)
+        self._copy(src, dst, self.views[half:])
+        self._copy(src, dst, self.views[:half], key_temperature)
+
+    def _copy(self, src: np.ndarray, dst: np.ndarray, views: list[torch.Tensor], divisor: float = 1.0) -> None:
+        """Slots ``src`` to ``dst`` in each of ``views`` ([layers,] blocks, offset, head, dim), values
+        divided by ``divisor`` unless it is 1."""
+        if not self.gather:
+            self._copy_runs(src, dst, views, divisor)
+            return
+        sb, so, db, do = self._indices(src, dst)
+        for view in views:
+            moved = view[..., sb, so, :, :]
+            view[..., db, do, :, :] = moved if divisor == 1 else moved / divisor
+
+    def _indices(self, src: np.ndarray, dst: np.ndarray) -> tuple[torch.Tensor, ...]:
+        """(block, offset) of each slot of ``src`` and of ``dst``, on the caches' device."""
+        bs, device = self.slot_map.block_size, self.caches[0].device
+        return tuple(torch.from_numpy(x).to(device, non_blocking=True)
+                     for x in (*_block_offset(src, bs), *_block_offset(dst, bs)))
 
     def _copy_runs(self, src: np.ndarray, dst: np.ndarray, views: list[torch.Tensor], divisor: float = 1.0) -> None:
         bs = self.slot_map.block_size
@@ -188,9 +210,8 @@ class KVCopier:
             self._move(src, dst, lambda keys: rotation.rotate(keys, deltas))
             return
         half = len(self.views) // 2
-        self._copy_runs(src, dst, self.views[half:])
-        sb, so, db, do = (torch.from_numpy(x) for x in (*_block_offset(src, self.slot_map.block_size),
-                                                          *_block_offset(dst, self.slot_map.block_size)))
+        self._copy(src, dst, self.views[half:])
+        sb, so, db, do = self._indices(src, dst)
         for view in self.views[:half]:
             view[..., db, do, :, :] = rotation.rotate(view[..., sb, so, :, :], deltas)
 

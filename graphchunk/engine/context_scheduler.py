@@ -165,6 +165,8 @@ def computed_before(so) -> dict[str, int]:
 class _Request:
     chunked: ChunkRequest | None
     context_len: int
+    recompute_cost: int = 0
+    """Its blend recompute's tokens (``RecomputePolicy.cost``; 0 for isolated), worked out once."""
     plan: RequestPlan | None = None
     start: int = 0
     waiting: bool = False
@@ -269,7 +271,7 @@ class ContextScheduler:
         if load_async and state.chunked.policy is not None:
             return None, False  # blend: loaded synchronously once its jobs have run (module docstring)
         if not load_async and self._recompute_tokens and \
-                self._recompute_tokens + self._recompute_cost(state.chunked) > self.config.recompute_budget:
+                self._recompute_tokens + state.recompute_cost > self.config.recompute_budget:
             self.metrics.blend_recompute_deferrals += 1
             return None, False  # this step's blend recompute is full: next step
         return state.context_len - num_computed, load_async
@@ -298,7 +300,7 @@ class ContextScheduler:
         state.filled = True
         if plan.needs < self._done_before:
             self._fills.append(load)
-            self._recompute_tokens += self._recompute_cost(state.chunked)
+            self._recompute_tokens += state.recompute_cost
             self._sent.append(state.plan)  # released once the step's metadata is built, not before
             self._hold(state, None)
         else:
@@ -441,7 +443,8 @@ class ContextScheduler:
             if chunked is not None and not self.handshake.runs(chunked):
                 chunked = None
             context_len = chunked.seg.layout.context_len if chunked is not None else 0
-            state = self._requests[req_id] = _Request(chunked, context_len if context_len < len(token_ids) else 0)
+            state = self._requests[req_id] = _Request(chunked, context_len if context_len < len(token_ids) else 0,
+                                                      self._recompute_cost(chunked) if chunked is not None else 0)
         return state
 
     @staticmethod
