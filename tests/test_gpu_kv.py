@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parent.parent
 from perf.gpu import gpu_kv
 
 LAYOUTS = ["LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC"]
-CHECKS = {"write", "probe", "blocks"} | {f"{path}/{op}" for path in ("strided", "gather")
+CHECKS = {"write", "probe", "blocks"} | {f"{path}/{op}" for path in ("strided", "indexed", "gather")
                                          for op in ("copy", "temperature", "rotated", "read_keys")}
 WITHOUT_VLLM = ("import runpy, sys; sys.modules['vllm'] = sys.modules['xxhash'] = None; sys.argv = sys.argv[1:]; "
                 "runpy.run_path(sys.argv[0], run_name='__main__')")
@@ -50,8 +50,8 @@ def test_quick_run_without_vllm_passes_every_check(quick):
     for layout, out in result["layouts"].items():
         assert set(out["checks"]) == CHECKS and all(out["checks"].values()), layout
         assert out["strided_path"], f"{layout}: vLLM's layouts are affine, copies take the strided path"
-        assert {k: v["gb_s"] > 0 for k, v in out["bandwidth"].items()} == {f"{p}/{o}": True for p in ("strided", "gather")
-                                                                          for o in ("copy", "temperature", "rotated")}
+        assert {k: v["gb_s"] > 0 for k, v in out["bandwidth"].items()} == \
+            {f"{p}/{o}": True for p in ("strided", "indexed", "gather") for o in ("copy", "temperature", "rotated")}
     assert result["torch_copy"]["gb_s"] > 0
     plan = result["plan"]
     assert (plan["requests"], plan["chunks"]) == (8, 64) and all(plan["checks"].values())
@@ -75,7 +75,8 @@ def test_a_corrupted_copy_fails_its_checks_and_the_exit_status(tmp_path, monkeyp
     assert gpu_kv.main(["--quick", "--repeats", "1", "--out", str(out)]) == 1
     result = json.loads(out.read_text())
     assert not result["passed"]
-    broken = {f"{path}/{op}" for path in ("strided", "gather") for op in ("copy", "temperature")} | {"blocks"}
+    paths = ("strided", "indexed", "gather")
+    broken = {f"{path}/{op}" for path in paths for op in ("copy", "temperature")} | {"blocks"}
     for layout in LAYOUTS:
         checks = result["layouts"][layout]["checks"]
         assert {name for name, ok in checks.items() if not ok} == broken, layout

@@ -247,10 +247,13 @@ class ContextPlanner:
         ``sys ‖ chunk``; blend, ``blend_prefix ‖ chunk`` (the chunk alone when there is no prefix).
         Worked out once per prompt and kept on it (a request is checked and planned several
         times, and its sys prompt looked up once per chunk); keys hash slices of its token array."""
-        memo = seg.__dict__.setdefault("_identities", {})
-        identity = memo.get((self.space, salt, mode, chunk))
+        space, memo = seg.__dict__.get("_identities", (None, None))
+        if space is not self.space:
+            memo = {}
+            seg.__dict__["_identities"] = (self.space, memo)
+        identity = memo.get((salt, mode, chunk))
         if identity is None:
-            identity = memo[self.space, salt, mode, chunk] = self._compute_identity(seg, salt, mode, chunk)
+            identity = memo[salt, mode, chunk] = self._compute_identity(seg, salt, mode, chunk)
         return identity
 
     def _compute_identity(self, seg, salt, mode, chunk: int | None) -> tuple[bytes, tuple[int, ...]]:

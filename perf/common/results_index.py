@@ -36,6 +36,7 @@ MOVED = {  # a script's flat path before perf/ was grouped -> its module now
 QUESTIONS = {  # a module's group -> the question it answers (perf/README.md)
     "serving": "how much faster under my traffic?", "answers": "how close to full prefill?",
     "soak": "does it survive my clients?", "micro": "what does one piece cost?",
+    "host": "what does graphchunk cost per step at my scale?",
     "gpu": "does the KV code hold on a GPU?", "contract": "which vLLM releases hold?",
 }
 UNRECORDED = {  # result files that record no command: (group, the command, where it is said)

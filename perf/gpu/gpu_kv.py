@@ -10,8 +10,10 @@ heads, block_size, 2 * head_size]``, one strided view per layer; ``vllm_caches``
   attention; ``tests/gpu_style.py``'s stand-in) writes where the view says, nothing else; every
   cache is filled through it;
 * ``probe``: ``KVSlotMap.probe`` through that write, ``verify`` on the cache's last slot, restored;
-* on both ``KVCopier`` paths (``strided``: a slice copy per run of consecutive slots, the runner's
-  for affine layouts; ``gather``: flat element gathers, forced): ``copy``, ``temperature`` (keys
+* on the three ``KVCopier`` paths (``strided``: a slice copy per run of consecutive slots, the
+  runner's for affine layouts on a CPU; ``indexed``: one gather and one scatter of every slot per
+  view, the runner's for affine layouts on an accelerator; ``gather``: flat element gathers,
+  forced): ``copy``, ``temperature`` (keys
   divided by 0.7), ``rotated`` (``copy_slots_rotated``) and ``read_keys``, moving ``copy_tokens``
   slots from a block offset of 5 to offsets 11 and 3; ``blocks``: ``read_blocks``,
   ``write_blocks``, ``copy_blocks``; the plan's ``cold_misses`` and ``warm_hits`` (below).
@@ -281,7 +283,8 @@ def run_layout(layout: str, s: Sizes, dtype, device, repeats: int, torch_gb_s: f
     probe_ms = (time.perf_counter() - start) * 1e3
     fill(caches, seed=1)
     rot = rotation(s.head_size)
-    copiers = {path: KVCopier(caches, slot_map, num_blocks, 0) for path in ("strided", "gather")}
+    copiers = {path: KVCopier(caches, slot_map, num_blocks, 0, gather=path == "indexed")
+               for path in ("strided", "indexed", "gather")}
     copiers["gather"].views = None  # the flat-gather path (non-affine layouts'), forced
     for path, copier in copiers.items():
         checks.update({f"{path}/{k}": v for k, v in check_copies(copier, caches, src, dst, rot).items()})
