@@ -203,3 +203,41 @@ def test_a_step_s_context_fills_are_a_fixed_set_of_tensor_operations(rotated):
             run_sliced()
             assert all(torch.equal(a, b) for a, b in zip(caches, sliced))
     assert counted[8] == counted[64] == counted[512] and counted[8], counted
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_a_step_s_slot_lists_are_what_each_unit_alone_names(seed):
+    """``unit_slots`` builds the step's slot lists with array operations over all its units; each
+    token's source, destination, kind, key temperature and rotation are what reading its unit
+    alone gives (``slots_of`` per unit, as the fills were first written)."""
+    from graphchunk.cache.context_plan import UnitCopy
+    from graphchunk.cache.context_run import unit_slots
+    from graphchunk.device import slots_of
+
+    rng, bs = random.Random(seed), 16
+    requests = []
+    for _ in range(rng.randint(1, 6)):
+        units, lo = [], 0
+        for i in range(rng.randint(0, 5)):
+            n = rng.randint(0, 40)
+            begin = max(0, lo - rng.randint(0, 3)) if i else 0
+            units.append(UnitCopy(tuple(rng.sample(range(1000, 2000), 5)), rng.randrange(bs), lo, lo + n, begin,
+                                  rng.choice(["sys", "chunk", "rotated"]), 1))
+            lo += n
+        prompt = SimpleNamespace(block_ids=tuple(rng.sample(range(1000), 14)), key_temperature=rng.choice([1.0, 0.7]))
+        requests.append((prompt, units))
+    want = [[] for _ in range(5)]
+    for prompt, units in requests:
+        for u in units:
+            n = u.hi - u.lo
+            for part, values in zip(want, (
+                    slots_of(u.entry_blocks, u.offset + np.arange(u.lo - u.begin, u.hi - u.begin), bs),
+                    slots_of(prompt.block_ids, np.arange(u.lo, u.hi), bs), np.full(n, u.kind == "rotated"),
+                    np.full(n, prompt.key_temperature if u.kind == "chunk" else 1.0), np.full(n, u.begin - u.offset))):
+                part.append(values)
+    got = unit_slots(requests, bs)
+    if not any(units for _, units in requests):
+        assert got is None
+        return
+    for name, g, w in zip(("src", "dst", "rotated", "temperature", "delta"), got, want):
+        assert np.array_equal(g, np.concatenate(w)), name

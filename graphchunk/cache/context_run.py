@@ -17,8 +17,9 @@ the first queued job's id, or past every id seen. A capture that names its conte
 
 ``fill`` copies the context of requests whose jobs have all run from the pool into their own
 slots (chunk keys divided by the request's key temperature when it is not 1; blend chunks'
-keys rotated to where they land), then gives the tokens each blend request's recompute policy
-picks fresh KV (``blend/recompute.py``).
+keys rotated to where they land: one copy per key temperature and one rotated copy for all of the
+step's requests, their slot lists built by array operations over all its units, ``unit_slots``),
+then gives the tokens each blend request's recompute policy picks fresh KV (``blend/recompute.py``).
 
 Every read is checked against what was planned, at no cost worth measuring (a comparison per
 block): a job stamps its entry's blocks with the entry's epoch (``PoolEntry.epoch``) as it starts
@@ -35,6 +36,7 @@ a wrong answer that vLLM's prefix cache would keep serving, and one error instea
 """
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass
 from typing import Sequence
@@ -229,25 +231,21 @@ class ContextRunner:
         return filled
 
     def copy(self, requests: Sequence[tuple[object, Sequence[UnitCopy]]], device: KVDevice) -> list:
-        """Copies each request's units whose entries hold what was planned; returns those prompts."""
+        """Copies each request's units whose entries hold what was planned; returns those prompts.
+        One copy per key temperature and one rotated copy for the whole step, their slot lists
+        built by a fixed number of array operations (``unit_slots``), however many requests and
+        units."""
         requests = [(prompt, units) for prompt, units in requests if self._check(prompt, units)]
-        copies: dict[float, list[tuple[np.ndarray, np.ndarray]]] = {}
-        rotated = []
-        for prompt, units in requests:
-            for unit in units:
-                src = slots_of(unit.entry_blocks, unit.offset + np.arange(unit.lo - unit.begin, unit.hi - unit.begin),
-                               self.block_size)
-                dst = slots_of(prompt.block_ids, np.arange(unit.lo, unit.hi), self.block_size)
-                if unit.kind == "rotated":  # stored at [offset, offset + L): the prefix's positions first
-                    rotated.append((src, dst, np.full(unit.hi - unit.lo, unit.begin - unit.offset, np.int64)))
-                else:
-                    temperature = prompt.key_temperature if unit.kind == "chunk" else 1.0
-                    copies.setdefault(temperature, []).append((src, dst))
-        for temperature in sorted(copies):
-            device.copy_slots(*(np.concatenate(part) for part in zip(*copies[temperature])),
-                              key_temperature=temperature)
-        if rotated:
-            device.copy_slots_rotated(*(np.concatenate(part) for part in zip(*rotated)))
+        slots = unit_slots(requests, self.block_size)
+        if slots is None:
+            return []
+        src, dst, rotated, temperature, delta = slots
+        plain = ~rotated
+        for value in np.unique(temperature[plain]).tolist():
+            chosen = plain & (temperature == value)
+            device.copy_slots(src[chosen], dst[chosen], key_temperature=value)
+        if rotated.any():
+            device.copy_slots_rotated(src[rotated], dst[rotated], delta[rotated])
         return [prompt for prompt, _ in requests]
 
     def _check(self, prompt, units: Sequence[UnitCopy]) -> bool:
@@ -276,3 +274,38 @@ class ContextRunner:
             recompute(blended, device, check_layer=self.check_layer, budget=self.max_forward_tokens,
                       block_size=self.block_size, metrics=self.metrics)
 
+
+
+def unit_slots(requests: Sequence[tuple[object, Sequence[UnitCopy]]], block_size: int):
+    """Per token of every unit, in request and unit order: (source slot in the entry's blocks,
+    destination slot in the request's, rotated (blend), the key temperature of a plain copy (a
+    chunk's: the request's; a sys prompt's: 1), the rotation's delta); None without units. Python
+    reads each unit once; the slots come from array operations over the step's tokens together."""
+    units = [(index, unit) for index, (_, request_units) in enumerate(requests) for unit in request_units]
+    if not units:
+        return None
+    count = len(units)
+    lengths = np.fromiter((u.hi - u.lo for _, u in units), np.int64, count)
+    src_first = np.fromiter((u.offset + u.lo - u.begin for _, u in units), np.int64, count)
+    dst_first = np.fromiter((u.lo for _, u in units), np.int64, count)
+    rotated = np.fromiter((u.kind == "rotated" for _, u in units), bool, count)
+    delta = np.fromiter((u.begin - u.offset for _, u in units), np.int64, count)
+    temperature = np.fromiter((requests[i][0].key_temperature if u.kind == "chunk" else 1.0 for i, u in units),
+                              np.float64, count)
+    entry_blocks, entry_base = _flat([u.entry_blocks for _, u in units])
+    request_blocks, request_base = _flat([prompt.block_ids for prompt, _ in requests])
+    owner = np.fromiter((i for i, _ in units), np.int64, count)
+    which = np.repeat(np.arange(count), lengths)
+    step = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    src_logical, dst_logical = src_first[which] + step, dst_first[which] + step
+    src = entry_blocks[entry_base[which] + src_logical // block_size] * block_size + src_logical % block_size
+    dst = request_blocks[request_base[owner][which] + dst_logical // block_size] * block_size + \
+        dst_logical % block_size
+    return src, dst, rotated[which], temperature[which], delta[which]
+
+
+def _flat(sequences: list) -> tuple[np.ndarray, np.ndarray]:
+    """The sequences' ints concatenated, and where each starts."""
+    lengths = np.fromiter((len(s) for s in sequences), np.int64, len(sequences))
+    flat = np.fromiter(itertools.chain.from_iterable(sequences), np.int64, int(lengths.sum()))
+    return flat, np.cumsum(lengths) - lengths
