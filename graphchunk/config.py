@@ -6,6 +6,7 @@ Python); every key is optional.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from functools import cached_property
 from typing import Any
 
 from graphchunk.blend.recompute import RecomputePolicy
@@ -200,9 +201,9 @@ class GraphChunkConfig:
             return self.mode
         return "isolated" if blend_refusal else "blend"
 
-    @property
+    @cached_property
     def policy(self) -> RecomputePolicy:
-        """The deployment's default recompute policy of blend requests."""
+        """The deployment's default recompute policy of blend requests (made once: every request reads it)."""
         return RecomputePolicy(self.recompute, self.recompute_ratio, self.recompute_tokens, self.recompute_sinks,
                                self.recompute_spread, self.recompute_layers)
 

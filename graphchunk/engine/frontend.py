@@ -19,7 +19,7 @@ import functools
 import importlib
 import json
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import xxhash
@@ -202,16 +202,19 @@ def resolve_mode(extra_args: dict, config: GraphChunkConfig,
                                 f"send {MODE_ARG}: 'isolated'")
     default = config.policy
     fields = {field: extra_args.get(key, getattr(default, field)) for key, field in _POLICY_FIELDS.items()}
-    # One argument at a time, so that the error names the one that is wrong.
-    for key, field in _POLICY_FIELDS.items():
-        if key in extra_args:
-            try:
-                RecomputePolicy(**{field: fields[field]})
-            except ValueError as exc:
-                _, must, rest = str(exc).partition(" must ")
-                raise SegmentationError(f"{key} must {rest}" if must else f"{key}: {exc}") from None
+    try:
+        policy = RecomputePolicy(**fields)
+    except ValueError as combined:  # one argument at a time, so that the error names the one that is wrong
+        for key, field in _POLICY_FIELDS.items():
+            if key in extra_args:
+                try:
+                    RecomputePolicy(**{field: fields[field]})
+                except ValueError as exc:
+                    _, must, rest = str(exc).partition(" must ")
+                    raise SegmentationError(f"{key} must {rest}" if must else f"{key}: {exc}") from None
+        raise SegmentationError(str(combined)) from None
     # ratio as a float: 1 and 1.0 are one policy (one describe(), one cache_salt).
-    return mode, RecomputePolicy(**{**fields, "ratio": float(fields["ratio"])})
+    return mode, policy if isinstance(policy.ratio, float) else replace(policy, ratio=float(policy.ratio))
 
 
 _POLICY_FIELDS = {RECOMPUTE_ARG: "name", RATIO_ARG: "ratio", TOKENS_ARG: "tokens", SINKS_ARG: "sinks",
