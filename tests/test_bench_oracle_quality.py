@@ -20,7 +20,7 @@ from perf.answers.rag_tasks import FAMILIES
 pytestmark = pytest.mark.slow
 
 SETTINGS = ["full", "isolated", "ape:0.9:0.9", "ape-prefix:0.9:0.9", "question:0.15", "question:0.15/prefix",
-            "recompute:1", "recompute:1/prefix"]
+            "blocks:0.15:16", "recompute:1", "recompute:1/prefix"]
 """``--quick``'s settings less blend's naive reuse and LegoLink (nothing here asserts of them; they
 run through the same loop as question:0.15 in the benchmark's own ``--quick``)."""
 
@@ -68,3 +68,26 @@ def test_a_fixed_prefix_changes_blend_and_rows_pair_with_the_baseline(result):
         mine, base = np.asarray(row["per_prompt"]["kl"]), np.asarray(rows["question:0.15"]["per_prompt"]["kl"])
         assert pair["kl_delta"] == pytest.approx(float((mine - base).mean()))
     assert rows["question:0.15"]["vs_baseline"]["kl_delta"] == 0
+
+
+def test_blocks_recompute_as_many_tokens_in_fewer_runs(result):
+    """``blocks:R:B`` recomputes as many chunk tokens as ``question:R``, in runs of consecutive tokens
+    (its pseudo-sequences) no more than its blocks, and never more runs than scattered picks."""
+    rows = {row["label"]: row for row in result["lengths"][0]["rows"]}
+    blocks, question = rows["blocks:0.15:16"]["per_prompt"], rows["question:0.15"]["per_prompt"]
+    assert blocks["recomputed"] == question["recomputed"] and min(blocks["recomputed"]) > 0
+    for runs, n, scattered in zip(blocks["runs"], blocks["recomputed"], question["runs"]):
+        assert runs <= -(-n // 16) + 1 + 8 and runs <= scattered  # blocks: 16 tokens, each chunk's last shorter
+    assert rows["full"]["runs_mean"] == 0 and rows["recompute:1"]["runs_mean"] >= 1
+
+
+def test_block_tokens_take_the_highest_blocks_and_cut_the_last():
+    from graphchunk.layout import Layout
+
+    layout = Layout(2, (5, 4), 1)  # chunks [2, 7) and [7, 11); blocks of 2: [2,4) [4,6) [6,7) [7,9) [9,11)
+    scores = np.array([0, 1, 5, 0, 9, 0, 3, 3, 0])  # per chunk token from index 2
+    # block sums 1, 5, 9, 3, 3: [6, 7) whole, [4, 6) whole, then the first two of [7, 9)
+    assert bench_oracle_quality.block_tokens(layout, scores, 5, 2) == [4, 5, 6, 7, 8]
+    assert bench_oracle_quality.block_tokens(layout, scores, 2, 2) == [4, 6]  # [6, 7), then [4, 6) cut to one
+    assert bench_oracle_quality.runs_of([4, 5, 6, 7, 8]) == 1 and bench_oracle_quality.runs_of([4, 6]) == 2
+    assert bench_oracle_quality.runs_of([]) == 0

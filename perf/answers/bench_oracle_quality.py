@@ -28,6 +28,10 @@ Settings (``--settings``, comma list, default ``all`` = ``DEFAULT_SETTINGS``), o
   alone where it lands, sys causal) with no token, the first K of every chunk, the top R of chunk
   tokens by the question's attention over the naively reused context (``Oracle.question_attention``;
   the ``question`` policy's ranking) or every chunk token recomputed (must equal ``full``);
+  ``blocks:R:B``: as many chunk tokens as ``question:R``, picked in blocks of B consecutive tokens
+  (each chunk cut into blocks from its first token): the blocks whose question attention sums
+  highest, the last one taken cut to its first tokens (issue 62: fewer, longer recomputed runs,
+  each one pseudo-sequence in the served path, against ``question:R``'s scattered tokens);
   a blend setting ending in ``/prefix`` computes every chunk after the fixed ``--blend-prefix``
   text instead of alone (``Oracle.prefixed_kv``: DESIGN.md §2's "fixed model-level prefix", the
   same tokens before every chunk; not served by graphchunk yet).
@@ -76,23 +80,26 @@ BLEND_PREFIX = "Here is a document.\n\n"
 
 def parse_setting(item: str) -> dict:
     base, slash, flag = item.partition("/")
-    if slash and (flag != "prefix" or base.split(":")[0] not in ("none", "legolink", "question", "recompute")):
-        raise SystemExit(f"setting {item!r}: only blend settings (none, legolink, question, recompute) take /prefix")
+    blend = ("none", "legolink", "question", "blocks", "recompute")
+    if slash and (flag != "prefix" or base.split(":")[0] not in blend):
+        raise SystemExit(f"setting {item!r}: only blend settings (none, legolink, question, blocks, recompute) "
+                         f"take /prefix")
     name, *params = base.split(":")
     try:
         values = [float(p) for p in params]
     except ValueError:
         raise SystemExit(f"setting {item!r}: parameters are numbers")
     shapes = {"full": 0, "isolated": 0, "none": 0, "ape": 2, "ape-prefix": 2, "legolink": 1, "question": 1,
-              "recompute": 1}
+              "blocks": 2, "recompute": 1}
     if shapes.get(name) != len(values):
         raise SystemExit(f"setting {item!r}: known full, isolated, ape:T:S, ape-prefix:T:S, none, legolink:K, "
-                         "question:R, recompute:1")
+                         "question:R, blocks:R:B, recompute:1")
     if name.startswith("ape"):
         from graphchunk.reference.ape import Ape
 
         return dict(label=item, kind="ape", ape=Ape(values[0], values[1], "prefix" if name == "ape-prefix" else "documents"))
-    return dict(label=item, kind=name, param=values[0] if values else None, prefix=bool(slash))
+    return dict(label=item, kind=name, param=values[0] if values else None, prefix=bool(slash),
+                block=int(values[1]) if name == "blocks" else None)
 
 
 def parse_args(argv=None):
@@ -134,7 +141,30 @@ def recomputed_tokens(oracle, ids, layout, setting, context_kv=None) -> list[int
         return [t for start, n in zip(layout.chunk_starts(), layout.chunk_lens) for t in range(start, start + min(k, n))]
     scores = oracle.question_attention(ids, layout, context_kv=context_kv)[layout.sys_len:]
     n = int(round(setting["param"] * chunk_tokens.size))
+    if setting["kind"] == "blocks":
+        return block_tokens(layout, scores, n, setting["block"])
     return sorted((chunk_tokens[np.argsort(-scores, kind="stable")[:n]]).tolist())
+
+
+def block_tokens(layout, scores: np.ndarray, n: int, block: int) -> list[int]:
+    """``n`` chunk tokens in blocks of ``block`` (each chunk cut from its first token): blocks by
+    their summed ``scores`` (one per chunk token, from the first; ties: the earlier block), whole
+    until the last one taken, which keeps its first tokens."""
+    blocks = [(start + a, min(start + a + block, start + length))
+              for start, length in zip(layout.chunk_starts(), layout.chunk_lens) for a in range(0, length, block)]
+    sums = np.asarray([scores[a - layout.sys_len:b - layout.sys_len].sum() for a, b in blocks])
+    picked: list[int] = []
+    for i in np.argsort(-sums, kind="stable"):
+        a, b = blocks[i]
+        picked += range(a, min(b, a + n - len(picked)))
+        if len(picked) >= n:
+            break
+    return sorted(picked)
+
+
+def runs_of(tokens: list[int]) -> int:
+    """Maximal runs of consecutive indices: the pseudo-sequences a recompute of ``tokens`` forwards."""
+    return int(len(tokens) and 1 + np.count_nonzero(np.diff(tokens) != 1))
 
 
 def answer_text(tokenizer, oracle, tokens: list[int]) -> str:
@@ -168,14 +198,16 @@ def one_prompt(oracle, tokenizer, task, settings, answer_tokens, prefix_ids: lis
             fresh = recomputed_tokens(oracle, ids, layout, s, context)
             results[s["label"]] = (
                 oracle.blend_generate(ids, layout, fresh, answer_tokens, stop_at_eos=True, context_kv=context)[0],
-                oracle.blend_logprobs(ids, layout, fresh, ref_tokens, context_kv=context).double().numpy())
+                oracle.blend_logprobs(ids, layout, fresh, ref_tokens, context_kv=context).double().numpy(),
+                len(fresh), runs_of(fresh))
     out = {}
     for s in settings:
-        tokens, lp = results["full" if s["kind"] == "full" else s["label"]]
+        tokens, lp, *recomputed = results["full" if s["kind"] == "full" else s["label"]]
         kl = kl_steps(ref, lp)
         text = answer_text(tokenizer, oracle, tokens)
         out[s["label"]] = dict(prompt=task.index, kind=task.kind, exact_match=int(task.correct(text)),
-                               kl=float(kl.mean()), kl_first=float(kl[at]), answer=text)
+                               kl=float(kl.mean()), kl_first=float(kl[at]), answer=text,
+                               recomputed=recomputed[0] if recomputed else 0, runs=recomputed[1] if recomputed else 0)
     out["_prompt"] = dict(prompt=task.index, kind=task.kind, tokens=len(ids), boundaries=list(bounds),
                           answer_position=at, answer_position_fallback=fallback)
     return out
@@ -204,7 +236,10 @@ def rows_of(per: dict, settings, families, baseline: str | None = None) -> list[
                                          {k: [r for r in v if r["kind"] == f] for k, v in refs.items()})
                             for f in families if any(r["kind"] == f for r in records)}
         row["per_prompt"] = {k: [r[k] for r in records] for k in ("prompt", "kind", "exact_match", "kl", "kl_first",
-                                                                  "answer")}
+                                                                  "answer", "recomputed", "runs")}
+        # chunk tokens recomputed, and their runs of consecutive tokens (pseudo-sequences), per prompt
+        row["recomputed_mean"] = float(np.mean(row["per_prompt"]["recomputed"]))
+        row["runs_mean"] = float(np.mean(row["per_prompt"]["runs"]))
         rows.append(row)
     if baseline is not None:
         base = next(row for row in rows if row["label"] == baseline)
@@ -240,12 +275,13 @@ def print_table(result: dict) -> None:
         print(f"\n~{run['doc_tokens']}-token documents, {run['rows'][0]['n_prompts']} prompts "
               f"(full prefill exact match {run['rows'][0]['exact_match']:.2f})")
         families = list(run["rows"][0]["by_family"])
-        print(f"{'setting':>22} {'EM':>5} {'EM - full [95% CI]':>24} {'KL':>7} " + " ".join(f"{f:>10}" for f in families))
+        print(f"{'setting':>22} {'EM':>5} {'EM - full [95% CI]':>24} {'KL':>7} {'runs':>6} "
+              + " ".join(f"{f:>10}" for f in families))
         for row in run["rows"]:
             lo, hi = row["exact_match_delta_ci"]
             fam = " ".join(f"{row['by_family'][f]['exact_match_delta']:>+10.2f}" for f in families)
             print(f"{row['label']:>22} {row['exact_match']:>5.2f} {row['exact_match_delta']:>+8.2f} [{lo:+.2f}, {hi:+.2f}] "
-                  f"{row['kl']:>7.3f} {fam}")
+                  f"{row['kl']:>7.3f} {row.get('runs_mean', 0):>6.1f} {fam}")
         for row in run["rows"]:
             pair = row.get("vs_baseline")
             if pair and row["label"] != pair["label"]:
