@@ -247,10 +247,12 @@ def _entries() -> tuple[Name, ...]:
     for attr in ("scheduled_new_reqs", "scheduled_cached_reqs", "num_scheduled_tokens", "finished_req_ids",
                  "kv_connector_metadata", "total_num_scheduled_tokens"):
         add(n(SO, f"SchedulerOutput.{attr}", "field", f"{SP}, {CE}", SCHED))
-    for attr in ("req_id", "num_computed_tokens", "prompt_token_ids", "sampling_params"):
+    for attr in ("req_id", "num_computed_tokens", "sampling_params"):
         add(n(SO, f"NewRequestData.{attr}", "field", f"{SP}, {CE}", SCHED))
     for attr in ("req_ids", "num_computed_tokens"):
         add(n(SO, f"CachedRequestData.{attr}", "field", SP, SCHED))
+    add(n(SO, "CachedRequestData.resumed_req_ids", "field", CE, SCHED + ": a request resumed after preemption "
+          "computes its question again"))
 
     # --- the KV connector (connector.py, plugin.py, worker.py) -----------------------------------------
     add(n(KVC, "KVConnectorBase_V1", "subclass", CN, CONNECTOR, public=True))
