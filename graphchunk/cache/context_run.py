@@ -275,7 +275,6 @@ class ContextRunner:
                       block_size=self.block_size, metrics=self.metrics)
 
 
-
 def unit_slots(requests: Sequence[tuple[object, Sequence[UnitCopy]]], block_size: int):
     """Per token of every unit, in request and unit order: (source slot in the entry's blocks,
     destination slot in the request's, rotated (blend), the key temperature of a plain copy (a

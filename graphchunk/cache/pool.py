@@ -130,15 +130,13 @@ class ChunkPool:
             self._indexed_blocks += needed
             self.policy.inserted(entry, num_tokens if cost is None else cost)
         self._live[entry.epoch] = entry
-        self._refs_held += 1
-        self.metrics.pool_refs_held = self._refs_held
+        self._count_refs(1)
         self._update_usage()
         return entry
 
     def acquire(self, entry: PoolEntry) -> None:
         entry.ref_count += 1
-        self._refs_held += 1
-        self.metrics.pool_refs_held = self._refs_held
+        self._count_refs(1)
         if entry.indexed and self._evictable.pop(entry.key, None) is not None:
             self._evictable_blocks -= len(entry.block_ids)
             self.policy.in_use(entry)
@@ -147,8 +145,7 @@ class ChunkPool:
         if entry.ref_count < 1:
             raise RuntimeError(f"release of an entry not in use: {entry.key.hex()}")
         entry.ref_count -= 1
-        self._refs_held -= 1
-        self.metrics.pool_refs_held = self._refs_held
+        self._count_refs(-1)
         if entry.ref_count:
             return
         if entry.indexed and entry.ready:
@@ -206,6 +203,10 @@ class ChunkPool:
         self._free.extend(reversed(entry.block_ids))
         entry.block_ids = []
         self._update_usage()
+
+    def _count_refs(self, delta: int) -> None:
+        self._refs_held += delta
+        self.metrics.pool_refs_held = self._refs_held
 
     def _update_usage(self) -> None:
         """Blocks used, and those no indexed entry owns (0 between steps: an entry forgotten while

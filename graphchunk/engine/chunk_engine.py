@@ -60,8 +60,9 @@ class ChunkEngine:
     runner: ContextRunner
     kv: RunnerKV
     pool: PoolHandshake
-    """The pool's geometry and key space, and what the model allows of blend mode (the handshake:
-    the scheduler's connector and the worker decide which requests run segmented by one rule)."""
+    """The pool's geometry and key space, and what the model allows of blend mode: the handshake the
+    scheduler's connector decides by which requests run segmented (the worker holds those it names,
+    ``StepWork.requests``)."""
     max_num_batched_tokens: int
     counts: BucketCounts | None = None
     """The grid's bucket counts (``graphchunk.templates``); None: no grid."""
@@ -229,7 +230,6 @@ class ChunkEngine:
 
     def stats(self) -> dict[str, float]:
         return self.metrics.snapshot()
-
 
 
 def position_shift(query_start: np.ndarray, num_computed: np.ndarray, row: np.ndarray, context_len: np.ndarray,
