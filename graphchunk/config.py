@@ -78,6 +78,9 @@ class GraphChunkConfig:
     recompute_layers: int = 0
     """question: the scoring pass runs the question through the model's first ``recompute_layers``
     layers and ranks by their attention (0: every layer)."""
+    recompute_block: int = 1
+    """cacheblend, question: the ratio's tokens picked in blocks of ``recompute_block`` consecutive
+    tokens of a chunk, ranked by their summed scores: fewer, longer recompute runs (1: single tokens)."""
     check_layer: int = 1
     """cacheblend: layers [0, check_layer] are recomputed for every chunk token, and K at this layer
     ranks the tokens."""
@@ -205,7 +208,7 @@ class GraphChunkConfig:
     def policy(self) -> RecomputePolicy:
         """The deployment's default recompute policy of blend requests (made once: every request reads it)."""
         return RecomputePolicy(self.recompute, self.recompute_ratio, self.recompute_tokens, self.recompute_sinks,
-                               self.recompute_spread, self.recompute_layers)
+                               self.recompute_spread, self.recompute_layers, self.recompute_block)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None) -> "GraphChunkConfig":
@@ -232,7 +235,7 @@ def valid_key_temperature(value) -> bool:
 
 _TYPES = {"separator": str, "max_chunks": int, "max_chunk_len": int, "pool_tokens": int, "eviction": str,
           "mode": str, "key_temperature": (int, float), "templates": str, "recompute": str, "recompute_ratio": (int, float), "recompute_tokens": int,
-          "recompute_sinks": int, "recompute_spread": str, "recompute_layers": int,
+          "recompute_sinks": int, "recompute_spread": str, "recompute_layers": int, "recompute_block": int,
           "check_layer": int, "store_path": str, "store_bytes": int,
           "host_bytes": int, "documents_fallback": str, "miss_budget": int,
           "recompute_budget": int, "blend_misses": str, "blend_entries": str, "blend_prefix": str}

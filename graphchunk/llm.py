@@ -19,8 +19,8 @@ import numpy as np
 
 from graphchunk.config import GraphChunkConfig
 from graphchunk.documents import document_messages, hf_render, place_documents
-from graphchunk.engine.frontend import (BOUNDARIES_ARG, LAYERS_ARG, MODE_ARG, RATIO_ARG, RECOMPUTE_ARG, SINKS_ARG, SPREAD_ARG,
-                                        TEMPERATURE_ARG, TOKENS_ARG)
+from graphchunk.engine.frontend import (BLOCK_ARG, BOUNDARIES_ARG, LAYERS_ARG, MODE_ARG, RATIO_ARG, RECOMPUTE_ARG,
+                                        SINKS_ARG, SPREAD_ARG, TEMPERATURE_ARG, TOKENS_ARG)
 from graphchunk.metrics import POOL_FIELDS, new_metrics_file, read_published
 
 
@@ -62,7 +62,7 @@ def encode_prompt(tokenizer, prompt: RagPrompt) -> tuple[list[int], list[int]]:
 
 _MODE_KEYWORDS = {"mode": MODE_ARG, "recompute": RECOMPUTE_ARG, "recompute_ratio": RATIO_ARG,
                   "recompute_tokens": TOKENS_ARG, "recompute_sinks": SINKS_ARG, "recompute_spread": SPREAD_ARG,
-                  "recompute_layers": LAYERS_ARG, "key_temperature": TEMPERATURE_ARG}
+                  "recompute_layers": LAYERS_ARG, "recompute_block": BLOCK_ARG, "key_temperature": TEMPERATURE_ARG}
 
 
 def _mode_args(**keywords) -> dict[str, Any]:
@@ -94,14 +94,15 @@ class GraphChunkLLM:
                  mode: str | None = None, recompute: str | None = None, recompute_ratio: float | None = None,
                  recompute_tokens: int | None = None, recompute_sinks: int | None = None,
                  recompute_spread: str | None = None, recompute_layers: int | None = None,
-                 key_temperature: float | None = None):
+                 recompute_block: int | None = None, key_temperature: float | None = None):
         """vLLM's RequestOutputs for ``prompts`` (strings, token prompts or ``RagPrompt``s), or for
         the single structured prompt given by ``sys`` / ``chunks`` / ``question``.
 
         ``mode`` ('isolated' or 'blend'), isolated mode's ``key_temperature``, and blend's
         ``recompute`` policy ('none', 'cacheblend', 'legolink', 'question'), ``recompute_ratio``,
         ``recompute_sinks`` and ``recompute_spread`` (cacheblend, question), ``recompute_layers``
-        (question: the scoring pass's depth) and ``recompute_tokens`` (legolink) apply to
+        (question: the scoring pass's depth), ``recompute_block`` (cacheblend, question: picked in
+        blocks of that many tokens) and ``recompute_tokens`` (legolink) apply to
         every prompt of the call; None leaves the deployment's default (``graphchunk={...}``).
         Precedence, lowest first: ``sampling_params.extra_args``, these keywords, a
         ``RagPrompt``'s own ``extra``. Recompute settings need blend mode (given here, per prompt
@@ -120,7 +121,7 @@ class GraphChunkLLM:
         call_args = _mode_args(mode=mode, recompute=recompute, recompute_ratio=recompute_ratio,
                                recompute_tokens=recompute_tokens, recompute_sinks=recompute_sinks,
                                recompute_spread=recompute_spread, recompute_layers=recompute_layers,
-                               key_temperature=key_temperature)
+                               recompute_block=recompute_block, key_temperature=key_temperature)
         inputs, all_params = [], []
         for prompt, p in zip(prompts, per_prompt, strict=True):
             if call_args or isinstance(prompt, RagPrompt):
@@ -142,7 +143,7 @@ class GraphChunkLLM:
              mode: str | None = None, recompute: str | None = None, recompute_ratio: float | None = None,
              recompute_tokens: int | None = None, recompute_sinks: int | None = None,
              recompute_spread: str | None = None, recompute_layers: int | None = None,
-             key_temperature: float | None = None):
+             recompute_block: int | None = None, key_temperature: float | None = None):
         """vLLM's ``LLM.chat`` for one conversation (a list of messages) or several. ``documents``
         (e.g. ``[{"title": ..., "text": ...}]``) become one chunk each, placed and tokenized exactly
         as the OpenAI server does for a chat completions request with the same ``documents``
@@ -155,7 +156,7 @@ class GraphChunkLLM:
                              **_mode_args(mode=mode, recompute=recompute, recompute_ratio=recompute_ratio,
                                           recompute_tokens=recompute_tokens, recompute_sinks=recompute_sinks,
                                           recompute_spread=recompute_spread, recompute_layers=recompute_layers,
-                                          key_temperature=key_temperature)}
+                                          recompute_block=recompute_block, key_temperature=key_temperature)}
         kwargs = dict(chat_template_kwargs or {})
         if documents is not None:
             kwargs["documents"] = documents

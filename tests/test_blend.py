@@ -126,6 +126,48 @@ def test_sinks_and_spread_refine_the_ranking():
     assert RecomputePolicy("question", 0.3).describe() == "question:0.3"
     assert RecomputePolicy("question", 0.15, sinks=2, layers=2).describe() == "question:0.15+sinks:2@2"
     assert RecomputePolicy("cacheblend", 0.15, layers=2).describe() == "cacheblend:0.15"  # question's alone
+    assert RecomputePolicy("question", 0.3, sinks=2, block=16, spread="chunk").describe() == \
+        "question:0.3+sinks:2x16/chunk"
+
+
+def test_blocks_pick_whole_runs_by_their_summed_scores():
+    """block B: each chunk span cut into blocks of B from its first token; the blocks with the
+    largest summed scores whole, the last one taken cut to its first tokens; sinks first."""
+    spans = [(10, 15), (15, 20)]  # blocks of 2: [10,12) [12,14) [14] [15,17) [17,19) [19]
+    candidates = np.arange(10, 20)
+    scores = np.array([0, 0, 5, 0, 9, 1, 1, 3, 3, 0.0])  # sums 0, 5, 9, 2, 6, 0
+    pick = lambda ratio, **kw: select_tokens(candidates, scores, RecomputePolicy("question", ratio, block=2, **kw),
+                                             spans).tolist()
+    assert pick(0.3) == [14, 17, 18]  # [14] (9), then [17,19) (6)
+    assert pick(0.4) == [12, 14, 17, 18]  # then the first token of [12,14) (5)
+    assert pick(0.3, sinks=1) == [10, 14, 15]  # sinks 10 and 15, then [14]
+    assert pick(0.2, spread="chunk") == [14, 17]  # one token of each chunk: [14]; [17,19)'s first
+    # A step's candidates start mid-block: 13 is the block [12,14) cut to its candidates.
+    assert select_tokens(np.arange(13, 20), scores[3:] + [9, 0, 0, 0, 0, 0, 0], RecomputePolicy("question", 0.3, block=2),
+                         spans).tolist() == [13, 14, 17]
+    assert pick(1.0) == list(range(10, 20)) and pick(0.0) == []
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_blocks_match_the_oracle_benchmarks_own_rule(seed):
+    """The served pick (``select_tokens``) equals the HF oracle benchmark's independent
+    ``block_tokens`` (``perf/answers/bench_oracle_quality.py``, which measured blocks against
+    scattered picks) at the same count; with B = 1 it is the scattered pick itself."""
+    from graphchunk.layout import Layout
+    from perf.answers.bench_oracle_quality import block_tokens
+
+    rng = np.random.default_rng(seed)
+    lay = Layout(int(rng.integers(0, 20)), tuple(int(n) for n in rng.integers(1, 90, rng.integers(1, 7))), 5)
+    candidates = np.arange(lay.sys_len, lay.context_len)
+    scores = rng.integers(0, 30, len(candidates)).astype(float)  # ties too, and sums exact in any order
+    spans = [(a, a + n) for a, n in zip(lay.chunk_starts(), lay.chunk_lens)]
+    for ratio in (0.1, 0.3, 0.55):
+        count = math.ceil(ratio * len(candidates) - 1e-9)
+        for block in (1, 4, 16):
+            picked = select_tokens(candidates, scores, RecomputePolicy("question", ratio, block=block), spans)
+            assert picked.tolist() == block_tokens(lay, scores, count, block), (ratio, block)
+        assert select_tokens(candidates, scores, RecomputePolicy("question", ratio, block=1), spans).tolist() == \
+            cacheblend_tokens(candidates, scores, ratio).tolist()
 
 
 def test_legolink_and_runs():

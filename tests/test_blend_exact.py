@@ -17,6 +17,7 @@ from exactness import (BLEND_FULL, BLEND_NONE, FIRST_TOKEN_TOL, LIMITS, LOGPROB_
                        assert_matches_oracle, assert_matches_reference, blend_reference,
                        joined_sources, measured, sampling)  # noqa: F401
 from graphchunk.blend.recompute import RecomputePolicy, cacheblend_tokens, select_tokens
+from graphchunk.device import consecutive_runs
 from graphchunk.engine.frontend import BOUNDARIES_ARG
 from graphchunk.llm import RagPrompt
 from graphchunk.segments import split_at
@@ -109,10 +110,10 @@ def test_legolink_equals_recomputing_chunk_starts_in_hf(gc_llm, oracle, docs, te
 
 
 @pytest.mark.parametrize("refinement", [{}, {"graphchunk_recompute_sinks": 3, "graphchunk_recompute_spread": "chunk"},
-                                        {"graphchunk_recompute_layers": 2}])
+                                        {"graphchunk_recompute_layers": 2}, {"graphchunk_recompute_block": 16}])
 def test_question_policy_recomputes_what_the_question_attends_to_in_hf(gc_llm, oracle, docs, text, refinement):
     """The question-aware policy (r = 0.3, plain, with 3 sinks per chunk and the ratio per chunk,
-    and scored through the first 2 layers only) against HF: HF's own attention probabilities of
+    scored through the first 2 layers only, and picked in blocks of 16) against HF: HF's own attention probabilities of
     the question over the naively reused context, summed over its tokens, heads and layers (the
     first 2), rank the chunk tokens; HF recomputing exactly the tokens the rule picks by that
     ranking gives the engine's tokens and logprobs. The chunks are hits (moved from other
@@ -128,12 +129,16 @@ def test_question_policy_recomputes_what_the_question_attends_to_in_hf(gc_llm, o
     layers = refinement.get("graphchunk_recompute_layers", 0)
     scores = oracle.question_attention(list(seg.token_ids), lay, num_layers=layers or None)
     rule = RecomputePolicy("question", 0.3, sinks=refinement.get("graphchunk_recompute_sinks", 0),
-                           spread=refinement.get("graphchunk_recompute_spread", "context"), layers=layers)
+                           spread=refinement.get("graphchunk_recompute_spread", "context"), layers=layers,
+                           block=refinement.get("graphchunk_recompute_block", 1))
     picked = select_tokens(chunk_tokens, scores[chunk_tokens], rule, seg.bounds[1:-1])
-    if "graphchunk_recompute_sinks" not in refinement:
-        assert picked.tolist() == cacheblend_tokens(chunk_tokens, scores[chunk_tokens], 0.3).tolist()
-    else:  # every chunk's first 3 tokens, and its own share
+    scattered = cacheblend_tokens(chunk_tokens, scores[chunk_tokens], 0.3)
+    if "graphchunk_recompute_sinks" in refinement:  # every chunk's first 3 tokens, and its own share
         assert all(set(range(b, b + 3)) <= set(picked.tolist()) for b, _ in seg.bounds[1:-1])
+    elif rule.block > 1:  # as many tokens in fewer runs
+        assert len(picked) == len(scattered) and len(consecutive_runs(picked)) < len(consecutive_runs(scattered))
+    else:
+        assert picked.tolist() == scattered.tolist()
     if layers:  # the shallow pass picks other tokens than the full one: the engine followed the depth
         deep = oracle.question_attention(list(seg.token_ids), lay)
         assert set(picked.tolist()) != set(cacheblend_tokens(chunk_tokens, deep[chunk_tokens], 0.3).tolist())

@@ -6,7 +6,7 @@ from vllm import SamplingParams
 
 from graphchunk.blend.recompute import RecomputePolicy
 from graphchunk.config import GraphChunkConfig
-from graphchunk.engine.frontend import (BOUNDARIES_ARG, MODE_ARG, NONCE_MARK, RATIO_ARG, RECOMPUTE_ARG, SALT_ARG, SINKS_ARG,
+from graphchunk.engine.frontend import (BLOCK_ARG, BOUNDARIES_ARG, MODE_ARG, NONCE_MARK, RATIO_ARG, RECOMPUTE_ARG, SALT_ARG, SINKS_ARG,
                                         SPREAD_ARG, TEMPERATURE_ARG, TOKENS_ARG, RequestAnnotator, chunk_request, is_graphchunk_worker,
                                         json_boolean_problem, beam_search_problem, layout_fingerprint, resolve_mode, temperature_refusal)
 from graphchunk.segments import SegmentationError
@@ -205,6 +205,8 @@ def test_segmented_request_carries_the_resolved_mode_and_policy(tokenizer, confi
     (None, {MODE_ARG: "blend", SPREAD_ARG: "doc"},
      r"graphchunk_recompute_spread must be one of \('context', 'chunk'\), got 'doc'"),
     (None, {SPREAD_ARG: "chunk"}, "graphchunk_recompute_spread only apply to blend mode"),
+    (None, {MODE_ARG: "blend", BLOCK_ARG: 0}, r"graphchunk_recompute_block must be an integer >= 1 \(1: single tokens\), got 0"),
+    (None, {MODE_ARG: "blend", BLOCK_ARG: 16.0}, "graphchunk_recompute_block must be an integer >= 1"),
     (None, {RECOMPUTE_ARG: "legolink"},
      r"graphchunk_recompute only apply to blend mode, but the deployment's default mode \(graphchunk.mode='isolated'\) is 'isolated'"),
     (None, {MODE_ARG: "isolated", RATIO_ARG: 0.5, TOKENS_ARG: 3},
@@ -237,19 +239,21 @@ def test_ordinary_request_loses_the_mode_arguments(tokenizer, config, extra):
     assert req.sampling_params.extra_args == {"other": 1} and req.cache_salt == "tenant"
 
 
-def test_sinks_and_spread_are_resolved_and_change_the_salt(tokenizer):
-    """A blend request carries its sinks and spread (defaults: none, 'context'), and a refined policy
-    gets another fingerprint than the plain one (other recomputed tokens: other KV)."""
-    plain = annotated(tokenizer, **{MODE_ARG: "blend"})
-    assert {k: plain.sampling_params.extra_args[k] for k in (SINKS_ARG, SPREAD_ARG)} == {SINKS_ARG: 0, SPREAD_ARG: "context"}
+def test_sinks_spread_and_block_are_resolved_and_change_the_salt(tokenizer):
+    """A blend request carries its sinks, spread and block (defaults: none, 'context', 1), and a
+    refined policy gets another fingerprint than the plain one (other recomputed tokens: other KV)."""
+    plain = annotated(tokenizer, **{MODE_ARG: "blend", BLOCK_ARG: 1})
+    assert {k: plain.sampling_params.extra_args[k] for k in (SINKS_ARG, SPREAD_ARG, BLOCK_ARG)} == \
+        {SINKS_ARG: 0, SPREAD_ARG: "context", BLOCK_ARG: 1}
     salts = {plain.cache_salt}
-    for extra in ({SINKS_ARG: 4}, {SPREAD_ARG: "chunk"}, {SINKS_ARG: 4, SPREAD_ARG: "chunk"}):
+    for extra in ({SINKS_ARG: 4}, {SPREAD_ARG: "chunk"}, {SINKS_ARG: 4, SPREAD_ARG: "chunk"}, {BLOCK_ARG: 16}):
         req = annotated(tokenizer, **{MODE_ARG: "blend", **extra})
         assert {k: req.sampling_params.extra_args[k] for k in extra} == extra
         salts.add(req.cache_salt)
-    assert len(salts) == 4
-    config = GraphChunkConfig(max_chunks=4, max_chunk_len=64, recompute_sinks=2, recompute_spread="chunk")
-    assert resolve_mode({MODE_ARG: "blend"}, config)[1] == RecomputePolicy("question", 0.3, 15, 2, "chunk")
+    assert len(salts) == 5
+    config = GraphChunkConfig(max_chunks=4, max_chunk_len=64, recompute_sinks=2, recompute_spread="chunk",
+                              recompute_block=8)
+    assert resolve_mode({MODE_ARG: "blend"}, config)[1] == RecomputePolicy("question", 0.3, 15, 2, "chunk", block=8)
 
 
 def test_isolated_salt_is_unchanged(tokenizer):

@@ -24,10 +24,13 @@ before them. Policies:
                 all allocated yet: vLLM scheduled only part of it) ranks by CacheBlend's deviation
                 instead, counted in ``blend_question_fallbacks``.
 
-cacheblend and question take two refinements (``select_tokens``): ``sinks``, the first tokens of
-every chunk recomputed first, within the ratio's count (LegoLink's sinks mixed with the ranking),
-and ``spread``, the ratio taken over the step's chunk tokens together ('context': the highest scores
-wherever they are) or over each chunk's on its own ('chunk': every chunk gets its share).
+cacheblend and question take three refinements (``select_tokens``): ``sinks``, the first tokens of
+every chunk recomputed first, within the ratio's count (LegoLink's sinks mixed with the ranking);
+``spread``, the ratio taken over the step's chunk tokens together ('context': the highest scores
+wherever they are) or over each chunk's on its own ('chunk': every chunk gets its share); and
+``block``, the pick made in blocks of that many consecutive tokens of a chunk (cut from its first
+token), ranked by their summed scores: the same count of tokens in fewer, longer runs, each run one
+pseudo-sequence of the recompute forward (1: single tokens).
 
 Ratio 1 recomputes every chunk token (exactly a full prefill); ratio 0 or ``none`` is naive reuse.
 A step selects among the chunk tokens it fills; when chunked prefill splits a context across
@@ -60,6 +63,9 @@ class RecomputePolicy:
     layers: int = 0
     """question: the scoring pass runs the question through the first ``layers`` layers and ranks by
     their attention (0: every layer; more than the model has: every layer)."""
+    block: int = 1
+    """cacheblend, question: tokens are picked in blocks of ``block`` consecutive tokens of a chunk,
+    ranked by their summed scores (1: single tokens)."""
 
     def __post_init__(self):
         if self.name not in POLICIES:
@@ -72,6 +78,8 @@ class RecomputePolicy:
             raise ValueError(f"recompute sinks must be an integer >= 0, got {self.sinks!r}")
         if isinstance(self.layers, bool) or not isinstance(self.layers, int) or self.layers < 0:
             raise ValueError(f"recompute layers must be an integer >= 0 (0: every layer), got {self.layers!r}")
+        if isinstance(self.block, bool) or not isinstance(self.block, int) or self.block < 1:
+            raise ValueError(f"recompute block must be an integer >= 1 (1: single tokens), got {self.block!r}")
         if self.spread not in SPREADS:
             raise ValueError(f"recompute spread must be one of {SPREADS}, got {self.spread!r}")
 
@@ -95,7 +103,8 @@ class RecomputePolicy:
         if self.name in ("cacheblend", "question"):
             sinks = f"+sinks:{self.sinks}" if self.sinks else ""
             layers = f"@{self.layers}" if self.layers and self.name == "question" else ""
-            return f"{self.name}:{self.ratio!r}{sinks}{layers}" + ("/chunk" if self.spread == "chunk" else "")
+            block = f"x{self.block}" if self.block > 1 else ""
+            return f"{self.name}:{self.ratio!r}{sinks}{layers}{block}" + ("/chunk" if self.spread == "chunk" else "")
         return f"legolink:{self.tokens}" if self.name == "legolink" else "none"
 
 
@@ -116,29 +125,56 @@ def select_tokens(candidates: np.ndarray, scores: np.ndarray, policy: RecomputeP
     """cacheblend's and question's pick among ``candidates`` (logical indices, ascending) by
     ``scores`` (one per candidate): per group (the candidates together, or those of each chunk
     span with spread 'chunk'), ``ceil(ratio * n)`` of its n tokens: its sinks (the first
-    ``policy.sinks`` tokens of each chunk; all of them, even past that count), then the highest
-    scores of the rest (ties: the earlier token). In logical order."""
+    ``policy.sinks`` tokens of each chunk; all of them, even past that count), then the rest in
+    blocks (``policy.block`` tokens of a chunk span, cut from its first token; 1: single tokens)
+    by their summed scores, whole until the count is reached: the last block taken keeps its
+    first tokens (ties: the earlier block). In logical order."""
     candidates, scores = np.asarray(candidates, np.int64), np.asarray(scores, np.float64)
     if policy.spread == "chunk":
         groups = [(candidates >= b) & (candidates < e) for b, e in chunk_spans]
     else:
         groups = [np.ones(len(candidates), bool)]
     sink = np.isin(candidates, legolink_tokens(chunk_spans, policy.sinks))
+    block = _block_keys(candidates, chunk_spans, policy.block)
     picks = [np.zeros(0, np.int64)]
     for group in groups:
         fixed, rest = group & sink, group & ~sink
         count = _count(policy.ratio, int(group.sum())) - int(fixed.sum())
-        picks += [candidates[fixed], _top(candidates[rest], scores[rest], max(0, count))]
+        picks += [candidates[fixed], _top(candidates[rest], scores[rest], max(0, count), block[rest])]
     return np.sort(np.concatenate(picks))
+
+
+def _block_keys(candidates: np.ndarray, chunk_spans: list[tuple[int, int]], block: int) -> np.ndarray:
+    """Each candidate's block (``block`` tokens of its chunk span from the span's first token), as
+    an integer that orders blocks as their tokens; candidates outside every span are blocks of one."""
+    if block == 1 or not chunk_spans:
+        return candidates
+    begins = np.asarray([b for b, _ in chunk_spans], np.int64)
+    span = np.maximum(np.searchsorted(begins, candidates, side="right") - 1, 0)
+    inside = (candidates >= begins[span]) & (candidates < np.asarray([e for _, e in chunk_spans])[span])
+    start = np.where(inside, begins[span] + (candidates - begins[span]) // block * block, candidates)
+    return start
 
 
 def _count(ratio: float, n: int) -> int:
     return min(n, math.ceil(ratio * n - 1e-9))
 
 
-def _top(candidates: np.ndarray, scores: np.ndarray, count: int) -> np.ndarray:
-    order = np.argsort(-scores, kind="stable")[:count]
-    return np.sort(candidates[order])
+def _top(candidates: np.ndarray, scores: np.ndarray, count: int, blocks: np.ndarray | None = None) -> np.ndarray:
+    """The ``count`` candidates of the blocks with the largest summed scores (``blocks``: each
+    candidate's block key, nondecreasing; None: every candidate its own block), whole blocks
+    until the last, which keeps its first candidates; ties: the earlier block."""
+    if blocks is None or len(candidates) == 0:
+        order = np.argsort(-scores, kind="stable")[:count]
+        return np.sort(candidates[order])
+    firsts = np.flatnonzero(np.r_[True, blocks[1:] != blocks[:-1]])
+    lengths = np.diff(np.r_[firsts, len(candidates)])
+    order = np.argsort(-np.add.reduceat(scores, firsts), kind="stable")
+    taken = np.minimum(lengths[order], np.maximum(0, count - (np.cumsum(lengths[order]) - lengths[order])))
+    keep = taken > 0
+    starts, taken = firsts[order][keep], taken[keep]
+    index = np.repeat(starts - np.r_[0, np.cumsum(taken)[:-1]], taken) + np.arange(taken.sum())
+    return np.sort(candidates[index])
 
 
 # --- the recompute step, over the device ------------------------------------------------------

@@ -49,6 +49,8 @@ SPREAD_ARG = "graphchunk_recompute_spread"
 """blend, cacheblend and question: the ratio over the context ('context') or per chunk ('chunk') (default: ``graphchunk.recompute_spread``)."""
 LAYERS_ARG = "graphchunk_recompute_layers"
 """blend, question: the scoring pass's depth, the model's first layers (0: every layer; default: ``graphchunk.recompute_layers``)."""
+BLOCK_ARG = "graphchunk_recompute_block"
+"""blend, cacheblend and question: tokens picked in blocks of this many of a chunk, 1: single tokens (default: ``graphchunk.recompute_block``)."""
 TEMPERATURE_ARG = "graphchunk_key_temperature"
 """isolated: the question's logits to chunk tokens divided by it, a number > 0 (default:
 ``graphchunk.key_temperature``)."""
@@ -58,7 +60,7 @@ counted by the worker."""
 DOCUMENTS_KEY = "graphchunk_documents"
 """Key of a rendered prompt dict (and the engine input made of it) carrying a documents request's
 ``DocumentBoundaries`` from vLLM's renderer to ``annotate`` (``document_hooks``)."""
-POLICY_ARGS = (RECOMPUTE_ARG, RATIO_ARG, TOKENS_ARG, SINKS_ARG, SPREAD_ARG, LAYERS_ARG)
+POLICY_ARGS = (RECOMPUTE_ARG, RATIO_ARG, TOKENS_ARG, SINKS_ARG, SPREAD_ARG, LAYERS_ARG, BLOCK_ARG)
 MODE_ARGS = (MODE_ARG, TEMPERATURE_ARG, *POLICY_ARGS)
 GRAPHCHUNK_ARGS = (BOUNDARIES_ARG, *MODE_ARGS)
 """The keys a client may send."""
@@ -218,7 +220,7 @@ def resolve_mode(extra_args: dict, config: GraphChunkConfig,
 
 
 _POLICY_FIELDS = {RECOMPUTE_ARG: "name", RATIO_ARG: "ratio", TOKENS_ARG: "tokens", SINKS_ARG: "sinks",
-                  SPREAD_ARG: "spread", LAYERS_ARG: "layers"}
+                  SPREAD_ARG: "spread", LAYERS_ARG: "layers", BLOCK_ARG: "block"}
 
 
 def resolve_temperature(extra_args: dict, config: GraphChunkConfig, mode: str,

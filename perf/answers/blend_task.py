@@ -22,7 +22,7 @@ DEFAULT_SETTINGS = ("vanilla,isolated:1,isolated:0.85,isolated:1.15,none,"
 """LegoLink's k at the recompute budgets 5/15/30 % of ~100-token documents (the default --doc-tokens)."""
 KNOWN = ("vanilla, isolated, isolated:T, none, cacheblend:R, question:R, legolink:K; cacheblend and question take "
          "+S (S sinks per chunk) and /chunk (the ratio per chunk), question @K (its scoring pass through the "
-         "first K layers), e.g. question:0.15+4@2/chunk")
+         "first K layers), both xB (picked in blocks of B tokens), e.g. question:0.15+4@2x16/chunk")
 SYS_TEXT = "You are a helpful assistant. Answer the question using the documents."
 NONCE_SYS = "Session {}. " + SYS_TEXT
 """A sys prompt never seen before (warm-up and timed requests): a fresh 6-hex-digit nonce at its
@@ -69,6 +69,7 @@ def one_setting(item: str) -> Setting:
         return blend_setting("blend none", "none", 0)
     if name in ("cacheblend", "question"):
         value, slash, spread = value.partition("/")
+        value, x, block = value.partition("x")
         value, at, layers = value.partition("@")
         value, plus, sinks = value.partition("+")
         r, refinements = float(value), {}
@@ -76,10 +77,12 @@ def one_setting(item: str) -> Setting:
             refinements["sinks"] = int(sinks)
         if at:
             refinements["layers"] = int(layers)
+        if x:
+            refinements["block"] = int(block)
         if slash:
             refinements["spread"] = spread
         label = (f"{name} r={r:g}" + (f" s={sinks}" if plus else "") + (f" L={layers}" if at else "")
-                 + (f" /{spread}" if slash else ""))
+                 + (f" B={block}" if x else "") + (f" /{spread}" if slash else ""))
         return blend_setting(label, name, r, ratio=r, **refinements)
     if name == "legolink":
         k = int(value)

@@ -5,6 +5,8 @@ without graphchunk's connector, and graphchunk's worker host path over a null KV
     .venv/bin/python -m perf.host.bench_host_scale --quick          # smoke run, ~20 s
     .venv/bin/python -m perf.host.bench_host_scale --running 256 --entries 1000 100000 --modes isolated
     .venv/bin/python -m perf.host.bench_host_scale --label before --graphchunk-tree /path/to/older/worktree
+    .venv/bin/python -m perf.host.bench_host_scale --modes blend --setting recompute_block=16 --label blocks \
+        --out perf/results/host_scale_blocks.json   # a graphchunk setting for every run (repeatable)
     .venv/bin/python -m perf.host.bench_host_scale --replot         # the plot again from the result file
 
 No model runs and no KV moves: the question is what the host adds to a step that a GPU runs in 10-30
@@ -97,6 +99,8 @@ def parse_args(argv=None):
                    help="leave the set-up's objects (the pool's entries) to Python's collector during the steps")
     p.add_argument("--model", default="smollm2", help="the model whose ModelConfig vLLM builds (no weights load)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--setting", action="append", type=graphchunk_setting, metavar="KEY=JSON",
+                   help="a graphchunk setting of the run (repeatable), e.g. recompute_block=16")
     p.add_argument("--label", default="after", help="the run's name in the result file (runs[LABEL])")
     p.add_argument("--graphchunk-tree", type=Path,
                    help="a worktree whose graphchunk/ package to measure (default: a PYTHONPATH entry holding "
@@ -313,7 +317,7 @@ class Setting:
         self.max_model_len = max_model_len
         model = ModelConfig(model=str(model_path), dtype="float32", max_model_len=max_model_len)
         self.model = model
-        self.gc_settings = {"mode": self.mode} if self.mode else None
+        self.gc_settings = {"mode": self.mode, **dict(self.args.setting or [])} if self.mode else None
         config = VllmConfig(
             model_config=model, cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
             scheduler_config=SchedulerConfig(max_num_batched_tokens=self.args.max_num_batched_tokens,
@@ -624,6 +628,17 @@ def workload(args) -> dict:
                            vllm_own="vllm - connector",
                            worker="ChunkEngine.step entry and exit + fill_context + rewrite_positions + count_step "
                                   "+ take_loaded/take_invalid/take_failed/done_before, over a null device"))
+
+
+def graphchunk_setting(item: str) -> tuple[str, object]:
+    """``KEY=JSON`` as (key, value): a ``GraphChunkConfig`` setting for every run's engine."""
+    key, eq, value = item.partition("=")
+    if not eq:
+        raise argparse.ArgumentTypeError(f"--setting {item!r}: expected KEY=JSON, e.g. recompute_block=16")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value  # a bare string
 
 
 def merge(path: Path, label: str, run: dict) -> dict:
