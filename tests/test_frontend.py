@@ -6,7 +6,7 @@ from vllm import SamplingParams
 
 from graphchunk.blend.recompute import RecomputePolicy
 from graphchunk.config import GraphChunkConfig
-from graphchunk.engine.frontend import (BLOCK_ARG, BOUNDARIES_ARG, MODE_ARG, NONCE_MARK, RATIO_ARG, RECOMPUTE_ARG, SALT_ARG, SINKS_ARG,
+from graphchunk.engine.frontend import (BLOCK_ARG, BOUNDARIES_ARG, GRAPHCHUNK_ARGS, MODE_ARG, NONCE_MARK, RATIO_ARG, RECOMPUTE_ARG, SALT_ARG, SINKS_ARG,
                                         SPREAD_ARG, TEMPERATURE_ARG, TOKENS_ARG, RequestAnnotator, chunk_request, is_graphchunk_worker,
                                         json_boolean_problem, beam_search_problem, layout_fingerprint, resolve_mode, temperature_refusal)
 from graphchunk.segments import SegmentationError
@@ -340,6 +340,7 @@ def test_resolved_arguments_resolve_to_themselves(tokenizer):
     ({RECOMPUTE_ARG: False}, "graphchunk_recompute must be one of"),
     ({RATIO_ARG: True}, "graphchunk_recompute_ratio must be a number in [0, 1], got true"),
     ({TOKENS_ARG: True}, "graphchunk_recompute_tokens must be an integer >= 0, got true"),
+    *(({key: True}, f"{key} must be ") for key in GRAPHCHUNK_ARGS),  # every key a client may send
     ({BOUNDARIES_ARG: [1, 5], RATIO_ARG: 1, TOKENS_ARG: 0}, None),
     ({"other_plugin_flag": True}, None),
     (None, None),

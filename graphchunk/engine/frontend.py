@@ -347,6 +347,7 @@ _EXPECTED = {
     SINKS_ARG: "an integer >= 0",
     SPREAD_ARG: f"one of {SPREADS}",
     LAYERS_ARG: "an integer >= 0 (0: every layer)",
+    BLOCK_ARG: "an integer >= 1 (1: single tokens)",
     TEMPERATURE_ARG: "a number > 0",
 }
 
