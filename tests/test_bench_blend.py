@@ -132,3 +132,7 @@ def test_a_settings_refinements_are_the_extra_args_it_sends():
     shallow = one_setting("question:0.3@2")
     assert shallow.label == "question r=0.3 L=2" and shallow.extra[LAYERS_ARG] == 2
     assert shallow.extra["graphchunk_recompute_ratio"] == 0.3 and shallow.extra["graphchunk_recompute"] == "question"
+    # A label names its block: single tokens unless it says xB, whatever the deployment's default.
+    assert shallow.extra["graphchunk_recompute_block"] == 1
+    blocks = one_setting("question:0.15+4@2x16/chunk")
+    assert blocks.label == "question r=0.15 s=4 L=2 B=16 /chunk" and blocks.extra["graphchunk_recompute_block"] == 16

@@ -137,7 +137,7 @@ def test_a_blend_kind_names_its_recompute_policy():
 
     settings = settings_of("blend:question:0.15+2@4")
     assert settings == {"mode": "blend", "recompute": "question", "recompute_ratio": 0.15, "recompute_sinks": 2,
-                        "recompute_layers": 4}
+                        "recompute_layers": 4, "recompute_block": 1}  # single tokens, as the label says
     assert GraphChunkConfig.from_dict(settings).policy.describe() == "question:0.15+sinks:2@4"
     assert settings_of("blend:legolink:15") == {"mode": "blend", "recompute": "legolink", "recompute_tokens": 15}
     assert settings_of("isolated") == {"mode": "isolated"} and settings_of("vanilla") is None
@@ -148,7 +148,7 @@ def test_a_blend_kind_names_its_recompute_policy():
     assert tenant_of("blend-context:question:0.15") and not tenant_of("blend") and not tenant_of("vanilla")
     # The contextualized corpus serves requests without a salt: blend mode on the precomputed tier.
     assert settings_of("blend-corpus:question:0.15") == {"mode": "blend", "recompute": "question",
-                                                         "recompute_ratio": 0.15}
+                                                         "recompute_ratio": 0.15, "recompute_block": 1}
     assert on_corpus("blend-corpus:question:0.15") and not on_corpus("blend") and not tenant_of("blend-corpus")
     for bad in ("blend-prefix:vanilla", "blend:vanilla", "blend:isolated:0.8", "other", "blend:question:x"):
         with pytest.raises((ValueError, SystemExit)):

@@ -346,7 +346,7 @@ def test_blend_runs_as_full_prefill_where_the_model_cannot_blend():
         assert handshake.runs(chunk_request(list(range(12)), extra_args, GraphChunkConfig())) == bool(segmented)
         return segmented[0][1].policy if segmented else None
 
-    assert registered(BlendSupport(object()), args) == RecomputePolicy("cacheblend", 0.3, 4)
+    assert registered(BlendSupport(object()), args) == RecomputePolicy("cacheblend", 0.3, 4, block=GraphChunkConfig().recompute_block)
     no_check = BlendSupport(object(), check_refusal="no layer range")
     assert registered(no_check, args) is None
     assert registered(no_check, {**args, "graphchunk_recompute": "legolink"}) is not None

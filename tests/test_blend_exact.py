@@ -17,6 +17,7 @@ from exactness import (BLEND_FULL, BLEND_NONE, FIRST_TOKEN_TOL, LIMITS, LOGPROB_
                        assert_matches_oracle, assert_matches_reference, blend_reference,
                        joined_sources, measured, sampling)  # noqa: F401
 from graphchunk.blend.recompute import RecomputePolicy, cacheblend_tokens, select_tokens
+from graphchunk.config import GraphChunkConfig
 from graphchunk.device import consecutive_runs
 from graphchunk.engine.frontend import BOUNDARIES_ARG
 from graphchunk.llm import RagPrompt
@@ -110,12 +111,12 @@ def test_legolink_equals_recomputing_chunk_starts_in_hf(gc_llm, oracle, docs, te
 
 
 @pytest.mark.parametrize("refinement", [{}, {"graphchunk_recompute_sinks": 3, "graphchunk_recompute_spread": "chunk"},
-                                        {"graphchunk_recompute_layers": 2}, {"graphchunk_recompute_block": 16}])
+                                        {"graphchunk_recompute_layers": 2, "graphchunk_recompute_block": 1}])
 def test_question_policy_recomputes_what_the_question_attends_to_in_hf(gc_llm, oracle, docs, text, refinement):
-    """The question-aware policy (r = 0.3, plain, with 3 sinks per chunk and the ratio per chunk,
-    scored through the first 2 layers only, and picked in blocks of 16) against HF: HF's own attention probabilities of
-    the question over the naively reused context, summed over its tokens, heads and layers (the
-    first 2), rank the chunk tokens; HF recomputing exactly the tokens the rule picks by that
+    """The question-aware policy (r = 0.3 in the deployment's blocks of 4, plain and with 3 sinks
+    per chunk and the ratio per chunk; in single tokens scored through the first 2 layers only)
+    against HF: HF's own attention probabilities of the question over the naively reused context,
+    summed over its tokens, heads and layers (the first 2), rank the chunk tokens; HF recomputing exactly the tokens the rule picks by that
     ranking gives the engine's tokens and logprobs. The chunks are hits (moved from other
     positions) and the prompt fits one step."""
     prompts = [RagPrompt(text.text(9), [docs[8], docs[2], docs[7]], text.question(9))]
@@ -130,7 +131,7 @@ def test_question_policy_recomputes_what_the_question_attends_to_in_hf(gc_llm, o
     scores = oracle.question_attention(list(seg.token_ids), lay, num_layers=layers or None)
     rule = RecomputePolicy("question", 0.3, sinks=refinement.get("graphchunk_recompute_sinks", 0),
                            spread=refinement.get("graphchunk_recompute_spread", "context"), layers=layers,
-                           block=refinement.get("graphchunk_recompute_block", 1))
+                           block=refinement.get("graphchunk_recompute_block", GraphChunkConfig().recompute_block))
     picked = select_tokens(chunk_tokens, scores[chunk_tokens], rule, seg.bounds[1:-1])
     scattered = cacheblend_tokens(chunk_tokens, scores[chunk_tokens], 0.3)
     if "graphchunk_recompute_sinks" in refinement:  # every chunk's first 3 tokens, and its own share

@@ -63,4 +63,4 @@ def test_blend_settings():
     default = GraphChunkConfig()
     assert (default.recompute, default.recompute_ratio, default.recompute_tokens, default.check_layer) == \
         ("question", 0.3, 15, 1)
-    assert default.policy.describe() == "question:0.3"
+    assert default.policy.describe() == "question:0.3x4"

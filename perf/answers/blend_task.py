@@ -22,7 +22,8 @@ DEFAULT_SETTINGS = ("vanilla,isolated:1,isolated:0.85,isolated:1.15,none,"
 """LegoLink's k at the recompute budgets 5/15/30 % of ~100-token documents (the default --doc-tokens)."""
 KNOWN = ("vanilla, isolated, isolated:T, none, cacheblend:R, question:R, legolink:K; cacheblend and question take "
          "+S (S sinks per chunk) and /chunk (the ratio per chunk), question @K (its scoring pass through the "
-         "first K layers), both xB (picked in blocks of B tokens), e.g. question:0.15+4@2x16/chunk")
+         "first K layers), both xB (picked in blocks of B tokens; without it single tokens, whatever the deployment's "
+         "default), e.g. question:0.15+4@2x16/chunk")
 SYS_TEXT = "You are a helpful assistant. Answer the question using the documents."
 NONCE_SYS = "Session {}. " + SYS_TEXT
 """A sys prompt never seen before (warm-up and timed requests): a fresh 6-hex-digit nonce at its
@@ -77,8 +78,7 @@ def one_setting(item: str) -> Setting:
             refinements["sinks"] = int(sinks)
         if at:
             refinements["layers"] = int(layers)
-        if x:
-            refinements["block"] = int(block)
+        refinements["block"] = int(block) if x else 1  # always sent: the label means what it says
         if slash:
             refinements["spread"] = spread
         label = (f"{name} r={r:g}" + (f" s={sinks}" if plus else "") + (f" L={layers}" if at else "")
