@@ -28,9 +28,12 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class GraphChunkConfig:
-    separator: str = "##"
-    """Text that splits a prompt into sys / chunks / question where it stands as a word of its own
-    inside a line (``segments``: never a Markdown heading); '' turns separator detection off."""
+    separator: str = ""
+    """The seeds' form, turned on knowingly: text (e.g. '##') that splits every prompt into sys /
+    chunks / question where it stands as a word of its own inside a line (``segments``: never a
+    Markdown heading). Code comments (``x = 1  ## note``) and chat text that carry it are split too,
+    and change their answers. '' (the default): only marked requests are touched (documents,
+    ``graphchunk_boundaries``, or ``graphchunk_separator`` on the request itself)."""
     max_chunks: int = 32
     """Most chunks one prompt may have."""
     max_chunk_len: int = 2048

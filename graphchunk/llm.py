@@ -8,7 +8,8 @@
 
 Structured prompts are tokenized segment by segment and sent with explicit boundaries, so no
 separator reaches the model; ``chat(documents=...)`` makes each document a chunk exactly as the
-OpenAI server does; plain prompts (with or without separators) go through unchanged.
+OpenAI server does; plain prompts run as in vanilla vLLM, unless they ask to be split at a
+separator (``separator="##"``, or the deployment's ``graphchunk={"separator": "##"}``).
 """
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ import numpy as np
 
 from graphchunk.config import GraphChunkConfig
 from graphchunk.documents import document_messages, hf_render, place_documents
-from graphchunk.engine.frontend import (BLOCK_ARG, BOUNDARIES_ARG, LAYERS_ARG, MODE_ARG, RATIO_ARG, RECOMPUTE_ARG,
-                                        SINKS_ARG, SPREAD_ARG, TEMPERATURE_ARG, TOKENS_ARG)
+from graphchunk.engine.frontend import (BLOCK_ARG, BOUNDARIES_ARG, LAYERS_ARG, MODE_ARG, OFF, RATIO_ARG, RECOMPUTE_ARG,
+                                        SEPARATOR_ARG, SINKS_ARG, SPREAD_ARG, TEMPERATURE_ARG, TOKENS_ARG)
 from graphchunk.metrics import POOL_FIELDS, new_metrics_file, read_published
 
 
@@ -62,7 +63,8 @@ def encode_prompt(tokenizer, prompt: RagPrompt) -> tuple[list[int], list[int]]:
 
 _MODE_KEYWORDS = {"mode": MODE_ARG, "recompute": RECOMPUTE_ARG, "recompute_ratio": RATIO_ARG,
                   "recompute_tokens": TOKENS_ARG, "recompute_sinks": SINKS_ARG, "recompute_spread": SPREAD_ARG,
-                  "recompute_layers": LAYERS_ARG, "recompute_block": BLOCK_ARG, "key_temperature": TEMPERATURE_ARG}
+                  "recompute_layers": LAYERS_ARG, "recompute_block": BLOCK_ARG, "key_temperature": TEMPERATURE_ARG,
+                  "separator": SEPARATOR_ARG}
 
 
 def _mode_args(**keywords) -> dict[str, Any]:
@@ -94,7 +96,8 @@ class GraphChunkLLM:
                  mode: str | None = None, recompute: str | None = None, recompute_ratio: float | None = None,
                  recompute_tokens: int | None = None, recompute_sinks: int | None = None,
                  recompute_spread: str | None = None, recompute_layers: int | None = None,
-                 recompute_block: int | None = None, key_temperature: float | None = None):
+                 recompute_block: int | None = None, key_temperature: float | None = None,
+                 separator: str | None = None):
         """vLLM's RequestOutputs for ``prompts`` (strings, token prompts or ``RagPrompt``s), or for
         the single structured prompt given by ``sys`` / ``chunks`` / ``question``.
 
@@ -107,7 +110,9 @@ class GraphChunkLLM:
         Precedence, lowest first: ``sampling_params.extra_args``, these keywords, a
         ``RagPrompt``'s own ``extra``. Recompute settings need blend mode (given here, per prompt
         or as the deployment's default); bad values raise ValueError naming the setting. An
-        ordinary prompt (no chunks) runs as vanilla vLLM whatever the mode."""
+        ordinary prompt (no chunks) runs as vanilla vLLM whatever the mode; ``separator`` (e.g.
+        '##') splits plain prompts where it stands as a word inside a line; ``mode="off"`` runs
+        every prompt, a ``RagPrompt``'s tokens included, as vanilla vLLM."""
         from vllm import SamplingParams
 
         if prompts is None:
@@ -121,7 +126,8 @@ class GraphChunkLLM:
         call_args = _mode_args(mode=mode, recompute=recompute, recompute_ratio=recompute_ratio,
                                recompute_tokens=recompute_tokens, recompute_sinks=recompute_sinks,
                                recompute_spread=recompute_spread, recompute_layers=recompute_layers,
-                               recompute_block=recompute_block, key_temperature=key_temperature)
+                               recompute_block=recompute_block, key_temperature=key_temperature,
+                               separator=separator)
         inputs, all_params = [], []
         for prompt, p in zip(prompts, per_prompt, strict=True):
             if call_args or isinstance(prompt, RagPrompt):
@@ -129,7 +135,9 @@ class GraphChunkLLM:
                 p.extra_args = {**(p.extra_args or {}), **call_args}
             if isinstance(prompt, RagPrompt):
                 token_ids, boundaries = self.encode(prompt)
-                p.extra_args = {**p.extra_args, **prompt.extra, BOUNDARIES_ARG: boundaries}
+                p.extra_args = {**p.extra_args, **prompt.extra}
+                if p.extra_args.get(MODE_ARG) != OFF:
+                    p.extra_args[BOUNDARIES_ARG] = boundaries
                 salt = prompt.cache_salt
                 prompt = {"prompt_token_ids": token_ids}
                 if salt is not None:

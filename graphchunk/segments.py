@@ -147,14 +147,16 @@ class SeparatorSplitter:
         self._pieces = token_pieces(tokenizer)
         self._special = frozenset(tokenizer.all_special_ids)
 
-    def split(self, token_ids: Sequence[int]) -> SegmentedPrompt | None:
-        """The segmented prompt, or None when no separator occurs (an ordinary prompt)."""
+    def split(self, token_ids: Sequence[int], separator: str | None = None) -> SegmentedPrompt | None:
+        """The segmented prompt at ``separator`` (default: this splitter's), or None when it does
+        not occur (an ordinary prompt)."""
+        separator = self.separator if separator is None else separator.strip()
         # Special tokens the tokenizer puts first (BOS) are not text: the prompt's first word is
         # the one after them. They stay the sys where a separator opens the text.
         lead = next((i for i, t in enumerate(token_ids) if t not in self._special), len(token_ids))
         pieces = [""] * lead + [self._pieces[t] for t in token_ids[lead:]]
         text = "".join(pieces)
-        occurrences = _find_all(text, self.separator)
+        occurrences = _find_all(text, separator)
         if not occurrences:
             return None
         ends = np.cumsum([len(p) for p in pieces])

@@ -136,7 +136,8 @@ def build_gc_llm():
                          gpu_memory_utilization=0.3, kv_cache_memory_bytes=1 << 30,
                          max_num_batched_tokens=GC_LLM_MAX_BATCHED_TOKENS, block_size=GC_LLM_BLOCK_SIZE,
                          enable_prefix_caching=True,
-                         graphchunk={"pool_tokens": 8192, "templates": str(GC_LLM_TEMPLATES), "mode": "isolated"})
+                         graphchunk={"pool_tokens": 8192, "templates": str(GC_LLM_TEMPLATES), "mode": "isolated",
+                                     "separator": "##"})  # its tests send the seeds' form
 
 
 gc_llm = engines.fixture(build_gc_llm, "gc_llm", scope="session")

@@ -32,7 +32,8 @@ LOGPROB_TOL = 1e-3
 BLEND_FULL = {"graphchunk_mode": "blend", "graphchunk_recompute": "cacheblend", "graphchunk_recompute_ratio": 1.0}
 BLEND_NONE = {"graphchunk_mode": "blend", "graphchunk_recompute": "none"}
 
-CONFIG = GraphChunkConfig()
+CONFIG = GraphChunkConfig(separator="##")
+"""The engines' settings where they matter here: the seeds' form turned on (``sep_prompt``)."""
 LIMITS = dict(max_chunks=CONFIG.max_chunks, max_chunk_len=CONFIG.max_chunk_len)
 MEASURED = {"first token": 0.0, "all tokens": 0.0, "compared": 0}
 RECORDED: list[tuple[int, float]] | None = None

@@ -6,13 +6,15 @@ from vllm import SamplingParams
 
 from graphchunk.blend.recompute import RecomputePolicy
 from graphchunk.config import GraphChunkConfig
-from graphchunk.engine.frontend import (BLOCK_ARG, BOUNDARIES_ARG, GRAPHCHUNK_ARGS, MODE_ARG, NONCE_MARK, RATIO_ARG, RECOMPUTE_ARG, SALT_ARG, SINKS_ARG,
-                                        SPREAD_ARG, TEMPERATURE_ARG, TOKENS_ARG, RequestAnnotator, chunk_request, is_graphchunk_worker,
-                                        json_boolean_problem, beam_search_problem, layout_fingerprint, resolve_mode, temperature_refusal)
+from graphchunk.engine.frontend import (BLOCK_ARG, BOUNDARIES_ARG, GRAPHCHUNK_ARGS, MODE_ARG, NONCE_MARK, RATIO_ARG,
+                                        RECOMPUTE_ARG, SALT_ARG, SEPARATOR_ARG, SINKS_ARG, SPREAD_ARG, TEMPERATURE_ARG,
+                                        TOKENS_ARG, UNCHUNKED_ARG, DocumentBoundaries, RequestAnnotator, beam_search_problem,
+                                        chunk_request, is_graphchunk_worker, json_boolean_problem, layout_fingerprint,
+                                        resolve_mode, temperature_refusal)
 from graphchunk.segments import SegmentationError
 
 
-ISOLATED_CONFIG = GraphChunkConfig(max_chunks=4, max_chunk_len=64, mode="isolated")
+ISOLATED_CONFIG = GraphChunkConfig(max_chunks=4, max_chunk_len=64, mode="isolated", separator="##")
 """Most tests here are about isolated requests that name no mode: the deployment's default says isolated."""
 
 
@@ -160,8 +162,8 @@ def resolved(req) -> dict:
 
 
 BLEND_CONFIG = GraphChunkConfig(max_chunks=4, max_chunk_len=64, mode="blend", recompute="legolink",
-                                recompute_ratio=0.3, recompute_tokens=7)
-COOL_CONFIG = GraphChunkConfig(max_chunks=4, max_chunk_len=64, key_temperature=0.8, mode="isolated")
+                                recompute_ratio=0.3, recompute_tokens=7, separator="##")
+COOL_CONFIG = GraphChunkConfig(max_chunks=4, max_chunk_len=64, key_temperature=0.8, mode="isolated", separator="##")
 
 
 @pytest.mark.parametrize("config, extra, expected", [
@@ -190,7 +192,14 @@ def test_segmented_request_carries_the_resolved_mode_and_policy(tokenizer, confi
 
 
 @pytest.mark.parametrize("config, extra, message", [
-    (None, {MODE_ARG: "bogus"}, r"graphchunk_mode must be one of \('isolated', 'blend'\), got 'bogus'"),
+    (None, {MODE_ARG: "bogus"}, r"graphchunk_mode must be one of \('isolated', 'blend', 'off'\), got 'bogus'"),
+    (None, {SEPARATOR_ARG: " "}, r"graphchunk_separator must be a text with a non-whitespace character \(e.g. '##'\), got ' '"),
+    (None, {SEPARATOR_ARG: 5}, "graphchunk_separator must be a text with a non-whitespace character"),
+    (None, {SEPARATOR_ARG: "##", BOUNDARIES_ARG: [1, 2]}, "send graphchunk_boundaries or graphchunk_separator, not both"),
+    (None, {MODE_ARG: "off", SEPARATOR_ARG: "##"},
+     "graphchunk_mode 'off' runs the request as in vanilla vLLM; it takes no graphchunk_separator"),
+    (None, {MODE_ARG: "off", BOUNDARIES_ARG: [1], RATIO_ARG: 0.5},
+     "graphchunk_mode 'off' .* it takes no graphchunk_boundaries, graphchunk_recompute_ratio"),
     (None, {MODE_ARG: 1}, "graphchunk_mode must be one of"),
     (None, {MODE_ARG: "blend", RECOMPUTE_ARG: "x"}, "graphchunk_recompute must be one of .*, got 'x'"),
     (None, {MODE_ARG: "blend", RATIO_ARG: 1.5}, r"graphchunk_recompute_ratio must be a number in \[0, 1\], got 1.5"),
@@ -252,7 +261,7 @@ def test_sinks_spread_and_block_are_resolved_and_change_the_salt(tokenizer):
         salts.add(req.cache_salt)
     assert len(salts) == 5
     config = GraphChunkConfig(max_chunks=4, max_chunk_len=64, recompute_sinks=2, recompute_spread="chunk",
-                              recompute_block=8)
+                              recompute_block=8, separator="##")
     assert resolve_mode({MODE_ARG: "blend"}, config)[1] == RecomputePolicy("question", 0.3, 15, 2, "chunk", block=8)
 
 
@@ -410,6 +419,8 @@ def test_server_hook_rejects_json_booleans_for_graphchunk_engines_only(worker_cl
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a", "graphchunk_document": True},
                                                 {"type": "text", "text": "q"}]}], "use_beam_search": True}, True),
     ({"prompt": [1, 2], "vllm_xargs": {MODE_ARG: "blend"}, "use_beam_search": True}, True),
+    ({"prompt": "a ## b ## c", "vllm_xargs": {SEPARATOR_ARG: "##"}, "use_beam_search": True}, True),
+    ({"messages": [], "documents": [{"text": "a"}], "vllm_xargs": {MODE_ARG: "off"}, "use_beam_search": True}, False),
     ({"prompt": [1, 2], "vllm_xargs": {BOUNDARIES_ARG: [1]}, "use_beam_search": "false"}, False),
     ({"prompt": "sys ## doc ## question", "use_beam_search": True}, False),  # the separators are in the tokens
     ({"messages": [], "documents": [], "chat_template_kwargs": {"graphchunk_document_parts": False},
@@ -449,6 +460,51 @@ def test_generate_keywords_and_precedence(tokenizer):
     assert calls[0][1][0] is shared  # no keywords: the params go through as given
 
 
+DEFAULT_CONFIG = GraphChunkConfig(max_chunks=4, max_chunk_len=64)
+"""As installed: no separator."""
+UNMARKED = ["x = load()  ## read the input\ny = parse(x)  ## then parse it\nWhat does this code do?",
+            "# Notes\n\n## Setup\nRun it ## twice, then ## once more.\n### Done",
+            "How do I write a LINQ query in C#? ## In C# ## or in F#?",
+            RAG]
+
+
+@pytest.mark.parametrize("text", UNMARKED)
+def test_unmarked_requests_are_left_as_they_came(tokenizer, text):
+    """A deployment with the default settings touches no request that is not marked, whatever its
+    text holds (code comments, Markdown, C#, the seeds' form itself): no arguments added, the salt
+    as sent, nothing segmented. The mode arguments of an unmarked request are checked and dropped."""
+    for extra in ({}, {MODE_ARG: "blend", RATIO_ARG: 0.5}, {"other": 1}):
+        req = annotated(tokenizer, DEFAULT_CONFIG, text=text, **extra)
+        assert req.sampling_params.extra_args == ({"other": 1} if "other" in extra else None)
+        assert req.cache_salt == "tenant"
+
+
+def test_a_request_asks_for_the_seeds_form_with_its_separator(tokenizer):
+    """graphchunk_separator splits this request's prompt where the text stands as a word inside a
+    line, as the deployment's separator would; the argument does not reach the worker."""
+    per_request = annotated(tokenizer, DEFAULT_CONFIG, **{SEPARATOR_ARG: "##"})
+    deployment = annotated(tokenizer, ISOLATED_CONFIG)
+    assert per_request.sampling_params.extra_args[BOUNDARIES_ARG] == deployment.sampling_params.extra_args[BOUNDARIES_ARG]
+    assert SEPARATOR_ARG not in per_request.sampling_params.extra_args
+    other = annotated(tokenizer, DEFAULT_CONFIG, text=RAG.replace("##", "@@"), **{SEPARATOR_ARG: " @@ "})
+    assert len(other.sampling_params.extra_args[BOUNDARIES_ARG]) == 3  # sys, two documents, the question
+    untokenized = RequestAnnotator(DEFAULT_CONFIG, None)  # an engine started with skip_tokenizer_init
+    with pytest.raises(SegmentationError, match="this engine has no tokenizer .*: send graphchunk_boundaries"):
+        untokenized.annotate(request(tokenizer, RAG, extra_args={SEPARATOR_ARG: "##"}))
+
+
+def test_mode_off_runs_any_request_as_vanilla(tokenizer):
+    """graphchunk_mode 'off' leaves a request as vanilla vLLM gets it, on a deployment whose
+    separator would split it too; a documents request runs as an ordinary prompt (counted)."""
+    for config in (ISOLATED_CONFIG, BLEND_CONFIG, DEFAULT_CONFIG):
+        req = annotated(tokenizer, config, **{MODE_ARG: "off"}, other=1)
+        assert req.sampling_params.extra_args == {"other": 1} and req.cache_salt == "tenant"
+    ann = RequestAnnotator(ISOLATED_CONFIG, tokenizer)
+    req = request(tokenizer, RAG, salt="tenant", extra_args={MODE_ARG: "off"})
+    ann.annotate(req, documents=DocumentBoundaries((3, 9), len(req.prompt_token_ids)))
+    assert req.sampling_params.extra_args == {UNCHUNKED_ARG: True} and req.cache_salt == "tenant"
+
+
 class _GraphChunkWorker:
     """Stands for ``graphchunk.Runner`` (``make_worker_class`` names it ``graphchunk.Worker``)."""
 
@@ -485,7 +541,7 @@ def test_blend_requests_refused_for_a_model_whose_keys_cannot_move(tokenizer):
 def test_the_default_mode_is_blend_where_the_model_can_blend(tokenizer):
     """'auto' (the default): a segmented request naming no mode runs as blend with the default
     policy; one naming isolated runs isolated; an explicit default mode is kept."""
-    auto = GraphChunkConfig(max_chunks=4, max_chunk_len=64)
+    auto = GraphChunkConfig(max_chunks=4, max_chunk_len=64, separator="##")
     assert auto.mode == "auto" and auto.default_mode(None) == "blend" and auto.default_mode("no RoPE") == "isolated"
     assert resolved(annotated(tokenizer, auto)) == {MODE_ARG: "blend", RECOMPUTE_ARG: "question", RATIO_ARG: 0.3,
                                                    TOKENS_ARG: 15}

@@ -154,7 +154,7 @@ def build_flex_llm():
                          block_size=BLOCK_SIZE, enable_prefix_caching=True, enforce_eager=True,
                          attention_config={"backend": gpu_style.FLEX},
                          worker_extension_cls="gpu_style.FlexAttentionOnCpu",
-                         graphchunk={"pool_tokens": 8192, "mode": "isolated"})
+                         graphchunk={"pool_tokens": 8192, "mode": "isolated", "separator": "##"})
 
 
 flex_llm = engines.fixture(build_flex_llm, "flex_llm")

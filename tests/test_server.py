@@ -18,6 +18,7 @@ import engines
 from conftest import GC_LLM_TEMPLATES
 from exactness import MAX_TOKENS, blend_reference, string_parts_render
 from graphchunk.documents import DOCUMENT_PART, document_messages, hf_render, place_document_parts, place_documents
+from graphchunk.engine.frontend import SEPARATOR_ARG
 from graphchunk.layout import Layout
 from graphchunk.reference import models
 from graphchunk.segments import SeparatorSplitter, split_at
@@ -40,6 +41,8 @@ def words(topic: str, count: int) -> str:
 
 
 DOCS = [words("assert", 60), words("break", 40), words("pass", 50)]
+SEPARATED = {SEPARATOR_ARG: "##"}
+"""The seeds' form asked for per request: this server runs the default settings (no separator)."""
 
 
 def build_server() -> VllmServer:
@@ -84,9 +87,9 @@ def oracle_tokens(oracle, token_ids, layout) -> list[int]:
 
 
 def check_text_prompt(server, oracle, splitter, tokenizer, text) -> list[int]:
-    """Serves ``text`` and compares with the oracle on the splitter's segmentation (causal when
-    there is no separator). Returns the generated tokens."""
-    prompt_ids, tokens = generated(server, text)
+    """Serves ``text`` split at '##' (``SEPARATED``) and compares with the oracle on the splitter's
+    segmentation (causal when there is no separator). Returns the generated tokens."""
+    prompt_ids, tokens = generated(server, text, vllm_xargs=SEPARATED)
     assert prompt_ids == tokenizer(text).input_ids
     seg = splitter.split(prompt_ids)
     layout = seg.layout if seg is not None else Layout(0, (), len(prompt_ids))
@@ -109,7 +112,7 @@ def test_separators_in_text_match_oracle_and_reuse_hits(server, oracle, splitter
 
     # The same prompt again: the same answer, nothing computed again (vLLM's prefix cache may
     # serve the leading full blocks, graphchunk the rest).
-    assert generated(server, rag_text(DOCS))[1] == tokens
+    assert generated(server, rag_text(DOCS), vllm_xargs=SEPARATED)[1] == tokens
     after_repeat = server.metrics()
     assert after_repeat["graphchunk_misses_total"] == after_first["graphchunk_misses_total"]
 
@@ -142,11 +145,50 @@ def test_chat_with_separators_in_the_user_message(server):
     user = " ## ".join(["Documents:", *DOCS, "Question: What does the pass statement do?"])
     status, body = server.post("/v1/chat/completions", {
         "model": server.model, "temperature": 0, "max_tokens": 32,
-        "messages": [{"role": "system", "content": SYS}, {"role": "user", "content": user}]})
+        "messages": [{"role": "system", "content": SYS}, {"role": "user", "content": user}], "vllm_xargs": SEPARATED})
     assert status == 200, f"{status} {body}\n{server.log_tail()}"
     text = body["choices"][0]["message"]["content"]
     assert text.strip()
     assert "##" not in text
+
+
+UNMARKED = {
+    "code-comments": "x = load()  ## read the input\ny = parse(x)  ## then parse it\nWhat does this code do?",
+    "markdown": f"# Loops\n\n## for\n\n{words('for', 20)} ## {words('while', 10)}\n\n### Which loop is it?",
+    "csharp": "How do I write a LINQ query in C#? ## In C# ## or in F#?",
+    "seeds-form": rag_text(DOCS[:2]),
+}
+
+
+def test_unmarked_requests_run_exactly_as_vanilla(server, oracle, tokenizer):
+    """This server runs the default settings. Completions and chat requests that are not marked,
+    whatever their text holds (code comments, Markdown, C#, the seeds' separator form itself),
+    and a documents request sent with graphchunk_mode 'off' (its documents placed, nothing
+    reused), answer HF's causal forward token for token, and graphchunk looks nothing up."""
+    def lookups():
+        found = server.metrics()
+        return found.get("graphchunk_lookups_total", 0), found.get("graphchunk_blend_lookups_total", 0)
+
+    before = lookups()
+    client = sdk(server)
+    for name, text in UNMARKED.items():
+        prompt_ids, tokens = generated(server, text, ignore_eos=True)
+        assert prompt_ids == tokenizer(text).input_ids
+        assert tokens == oracle.causal_generate(prompt_ids, MAX_TOKENS)[0], name
+        reply = client.chat.completions.create(
+            model=server.model, messages=[{"role": "system", "content": SYS}, {"role": "user", "content": text}],
+            temperature=0, max_tokens=MAX_TOKENS, extra_body={"ignore_eos": True, "return_token_ids": True})
+        assert reply.choices[0].token_ids == oracle.causal_generate(reply.prompt_token_ids, MAX_TOKENS)[0], name
+    messages = document_messages(DOC_SYS, "Which statement repeats?")
+    documents = [{"text": words("for", 30)}, {"text": words("while", 30)}]
+    placed = place_documents(hf_render(tokenizer), messages, documents, tokenizer, **SERVER_LIMITS)
+    reply = client.chat.completions.create(
+        model=server.model, messages=messages, temperature=0, max_tokens=MAX_TOKENS,
+        extra_body={"documents": documents, "vllm_xargs": {"graphchunk_mode": "off"}, "ignore_eos": True,
+                    "return_token_ids": True})
+    assert reply.prompt_token_ids == placed.token_ids
+    assert reply.choices[0].token_ids == oracle.causal_generate(placed.token_ids, MAX_TOKENS)[0]
+    assert lookups() == before
 
 
 # --- documented non-errors ----------------------------------------------------------------------
@@ -169,12 +211,12 @@ def test_blend_mode_through_the_server(server, oracle, tokenizer):
     reordered behind another system prompt hit in blend mode (its keys have no sys)."""
     before = server.metrics() if _published(server) else {}
     full = {"graphchunk_mode": "blend", "graphchunk_recompute": "cacheblend", "graphchunk_recompute_ratio": 1.0}
-    prompt_ids, tokens = generated(server, rag_text(DOCS), vllm_xargs=full, ignore_eos=True)
+    prompt_ids, tokens = generated(server, rag_text(DOCS), vllm_xargs={**full, **SEPARATED}, ignore_eos=True)
     assert tokens == oracle.causal_generate(prompt_ids, MAX_TOKENS)[0]
     after = server.metrics()
     assert after["graphchunk_blend_misses_total"] - before.get("graphchunk_blend_misses_total", 0) == len(DOCS)
     other_sys = " ## ".join(["Answer briefly.", *DOCS[::-1], QUESTION])
-    generated(server, other_sys, vllm_xargs={"graphchunk_mode": "blend", "graphchunk_recompute": "legolink"})
+    generated(server, other_sys, vllm_xargs={"graphchunk_mode": "blend", "graphchunk_recompute": "legolink", **SEPARATED})
     again = server.metrics()
     assert again["graphchunk_blend_hits_total"] - after["graphchunk_blend_hits_total"] == len(DOCS)
     assert again["graphchunk_blend_misses_total"] == after["graphchunk_blend_misses_total"]
@@ -188,13 +230,13 @@ def _ids(n: int) -> list[int]:
 
 
 BAD = {
-    "too-many-chunks": (dict(prompt=" ## ".join(["sys", *(f"doc {i}" for i in range(9)), "q?"])),
+    "too-many-chunks": (dict(prompt=" ## ".join(["sys", *(f"doc {i}" for i in range(9)), "q?"]), vllm_xargs=SEPARATED),
                         "9 chunks, more than max_chunks=8"),
-    "chunk-too-long": (dict(prompt="sys ## " + "word " * 600 + "## q?"), "more than max_chunk_len=512"),
-    "separator-last": (dict(prompt=f"{SYS} ## {DOCS[0]} ##"), r"question \(last segment\) is empty"),
+    "chunk-too-long": (dict(prompt="sys ## " + "word " * 600 + "## q?", vllm_xargs=SEPARATED), "more than max_chunk_len=512"),
+    "separator-last": (dict(prompt=f"{SYS} ## {DOCS[0]} ##", vllm_xargs=SEPARATED), r"question \(last segment\) is empty"),
     "over-max-model-len": (dict(prompt=_ids(2100), vllm_xargs={"graphchunk_boundaries": [100, 500, 900, 1300, 1700]}),
                            "maximum context length is 2048"),
-    "over-max-model-len-text": (dict(prompt=" ## ".join(["sys", *["word " * 450] * 5, "q?"])),
+    "over-max-model-len-text": (dict(prompt=" ## ".join(["sys", *["word " * 450] * 5, "q?"]), vllm_xargs=SEPARATED),
                                 "maximum context length is 2048"),
     "boundaries-not-a-list": (dict(prompt=_ids(8), vllm_xargs={"graphchunk_boundaries": 3}), "must be a list"),
     "boundaries-a-string": (dict(prompt=_ids(8), vllm_xargs={"graphchunk_boundaries": "2,4"}), "must be a list"),
@@ -210,14 +252,19 @@ BAD = {
     "boundaries-empty": (dict(prompt=_ids(8), vllm_xargs={"graphchunk_boundaries": []}), "at least the question"),
     "boundaries-empty-question": (dict(prompt=_ids(8), vllm_xargs={"graphchunk_boundaries": [2, 8]}),
                                   "question .* is empty"),
-    "prompt-logprobs": (dict(prompt=rag_text(DOCS[:1]), prompt_logprobs=1), "prompt_logprobs"),
+    "prompt-logprobs": (dict(prompt=rag_text(DOCS[:1]), prompt_logprobs=1, vllm_xargs=SEPARATED), "prompt_logprobs"),
     # graphchunk's own salt mark: on an ordinary prompt it would read a segmented request's KV
     "forged-salt": (dict(prompt="Hello there", cache_salt="|graphchunk:0123456789abcdef"),
                     r"cache_salt must not contain '\|graphchunk:'"),
-    "forged-salt-segmented": (dict(prompt=rag_text(DOCS[:1]), cache_salt="tenant|graphchunk:blend:none:00"),
+    "forged-salt-segmented": (dict(prompt=rag_text(DOCS[:1]), cache_salt="tenant|graphchunk:blend:none:00",
+                                   vllm_xargs=SEPARATED),
                               "cache_salt must not contain"),
     "mode-unknown": (dict(prompt=rag_text(DOCS[:1]), vllm_xargs={"graphchunk_mode": "fast"}),
-                     r"graphchunk_mode must be one of \('isolated', 'blend'\), got 'fast'"),
+                     r"graphchunk_mode must be one of \('isolated', 'blend', 'off'\), got 'fast'"),
+    "separator-blank": (dict(prompt=rag_text(DOCS[:1]), vllm_xargs={SEPARATOR_ARG: "  "}),
+                        "graphchunk_separator must be a text with a non-whitespace character"),
+    "off-with-boundaries": (dict(prompt=_ids(8), vllm_xargs={"graphchunk_mode": "off", "graphchunk_boundaries": [2, 4]}),
+                            "graphchunk_mode 'off' runs the request as in vanilla vLLM; it takes no graphchunk_boundaries"),
     "recompute-unknown": (dict(prompt=rag_text(DOCS[:1]), vllm_xargs={"graphchunk_mode": "blend",
                                                                        "graphchunk_recompute": "all"}),
                           "graphchunk_recompute must be one of"),
@@ -270,7 +317,7 @@ def test_cache_salt_tenants_never_share_chunks(server, oracle, splitter, tokeniz
     moves = []
     for salt, which in (("tenant-a", 0), ("tenant-b", 0), ("tenant-a", 1), ("tenant-b", 1)):
         before = server.metrics()
-        assert generated(server, texts[which], cache_salt=salt)[1] == expected[which], salt
+        assert generated(server, texts[which], cache_salt=salt, vllm_xargs=SEPARATED)[1] == expected[which], salt
         after = server.metrics()
         moves.append(tuple(after[f"graphchunk_{name}_total"] - before.get(f"graphchunk_{name}_total", 0)
                            for name in ("misses", "hits", "tier_hits")))
@@ -284,7 +331,7 @@ def _published(server) -> bool:
 
 
 def test_metrics_are_exported(server):
-    generated(server, rag_text(DOCS[:2]))  # the worker publishes after each step
+    generated(server, rag_text(DOCS[:2]), vllm_xargs=SEPARATED)  # the worker publishes after each step
     found = server.metrics()
     for name in ("graphchunk_lookups_total", "graphchunk_hits_total", "graphchunk_misses_total",
                  "graphchunk_evictions_total", "graphchunk_tokens_reused_total",
@@ -332,7 +379,7 @@ def streamed(server, prompt: str) -> http.client.HTTPConnection:
     url = urllib.parse.urlsplit(server.url)
     conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
     conn.request("POST", "/v1/completions", json.dumps({
-        "model": server.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "stream": True}),
+        "model": server.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "stream": True, "vllm_xargs": SEPARATED}),
         {"Content-Type": "application/json"})
     assert conn.getresponse().status == 200
     return conn

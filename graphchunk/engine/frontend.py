@@ -6,6 +6,11 @@ indices travel to the worker in ``SamplingParams.extra_args``, and the request's
 gains a fingerprint of its layout: vLLM's prefix cache then never hands a segmented request KV
 computed under other segment roles, nor hands its KV to an ordinary request (DESIGN.md §3).
 
+A request is segmented only when it is marked: documents, explicit boundaries
+(``BOUNDARIES_ARG``), a separator it asks for (``SEPARATOR_ARG``), or the deployment's separator
+where an operator turned it on (``graphchunk.separator``, off by default). Any other request, and
+one that sends ``graphchunk_mode: 'off'``, runs exactly as in vanilla vLLM.
+
 The mode (``isolated`` or ``blend``, DESIGN.md §2) and blend's recompute policy are chosen per
 request through extra_args (OpenAI: ``vllm_xargs``), defaulting to the deployment's settings.
 They are validated here for every request, and a segmented request carries the *resolved*
@@ -36,7 +41,13 @@ SALT_ARG = "graphchunk_salt"
 cache_salt, for tenant isolation, and its LoRA adapter); part of every chunk key."""
 MODE_ARG = "graphchunk_mode"
 """extra_args / vllm_xargs key: 'isolated' or 'blend' (default: ``graphchunk.mode``, 'auto': blend where
-the model can blend)."""
+the model can blend), or 'off': the request runs as in vanilla vLLM, whatever it holds."""
+OFF = "off"
+REQUEST_MODES = (*MODES, OFF)
+"""What a request may send as ``MODE_ARG``."""
+SEPARATOR_ARG = "graphchunk_separator"
+"""extra_args / vllm_xargs key: the seeds' form for this request: its prompt split where this text
+(e.g. '##') stands as a word of its own inside a line (default: ``graphchunk.separator``, off)."""
 RECOMPUTE_ARG = "graphchunk_recompute"
 """blend: recompute policy, 'none', 'cacheblend', 'legolink' or 'question' (default: ``graphchunk.recompute``)."""
 RATIO_ARG = "graphchunk_recompute_ratio"
@@ -62,7 +73,7 @@ DOCUMENTS_KEY = "graphchunk_documents"
 ``DocumentBoundaries`` from vLLM's renderer to ``annotate`` (``document_hooks``)."""
 POLICY_ARGS = (RECOMPUTE_ARG, RATIO_ARG, TOKENS_ARG, SINKS_ARG, SPREAD_ARG, LAYERS_ARG, BLOCK_ARG)
 MODE_ARGS = (MODE_ARG, TEMPERATURE_ARG, *POLICY_ARGS)
-GRAPHCHUNK_ARGS = (BOUNDARIES_ARG, *MODE_ARGS)
+GRAPHCHUNK_ARGS = (BOUNDARIES_ARG, SEPARATOR_ARG, *MODE_ARGS)
 """The keys a client may send."""
 NONCE_MARK = ":nonce-"
 """Marks a ranking blend policy's salt nonce (``blend_salt``): the engine core appends the request's
@@ -107,19 +118,30 @@ class RequestAnnotator:
         self.config = config
         self.blend_refusal = blend_refusal
         self.temperature_refusal = temperature_refusal
-        self.splitter = SeparatorSplitter(tokenizer, config.separator, max_chunks=config.max_chunks,
-                                          max_chunk_len=config.max_chunk_len) if config.separator else None
+        self.tokenizer = tokenizer
+
+    @functools.cached_property
+    def splitter(self) -> SeparatorSplitter:
+        """Separator detection over the tokenizer's pieces (built at the first request that asks)."""
+        if self.tokenizer is None:
+            raise SegmentationError("a separator is found in the prompt's text, and this engine has no tokenizer "
+                                    f"(skip_tokenizer_init): send {BOUNDARIES_ARG}")
+        return SeparatorSplitter(self.tokenizer, self.config.separator or "##", max_chunks=self.config.max_chunks,
+                                 max_chunk_len=self.config.max_chunk_len)
 
     def segment(self, token_ids: list[int], extra_args: dict,
                 documents: DocumentBoundaries | None = None) -> SegmentedPrompt | None:
         """The request's segmentation; None for an ordinary prompt. Raises ValueError on bad input.
         A documents request (``documents``) is split where its documents are; it never runs
-        separator detection and cannot also send boundaries; one without boundaries runs as an
-        ordinary prompt (``documents_fallback``)."""
+        separator detection and cannot also send boundaries or a separator; one without
+        boundaries runs as an ordinary prompt (``documents_fallback``). Otherwise explicit
+        boundaries, or the request's separator (``SEPARATOR_ARG``), or the deployment's."""
+        separator = _separator(extra_args, self.config)
         if documents is not None:
-            if BOUNDARIES_ARG in extra_args:
-                raise SegmentationError(f"a request with documents cannot also send {BOUNDARIES_ARG}: "
-                                        "the documents are its chunks")
+            for key in (BOUNDARIES_ARG, SEPARATOR_ARG):
+                if key in extra_args:
+                    raise SegmentationError(f"a request with documents cannot also send {key}: "
+                                            "the documents are its chunks")
             if not documents.boundaries:
                 return None
             if len(token_ids) != documents.num_tokens:
@@ -128,12 +150,14 @@ class RequestAnnotator:
             return split_at(token_ids, list(documents.boundaries), max_chunks=self.config.max_chunks,
                             max_chunk_len=self.config.max_chunk_len)
         if BOUNDARIES_ARG in extra_args:
+            if SEPARATOR_ARG in extra_args:
+                raise SegmentationError(f"send {BOUNDARIES_ARG} or {SEPARATOR_ARG}, not both: each marks the chunks")
             boundaries = extra_args[BOUNDARIES_ARG]
             if not isinstance(boundaries, list):
                 raise SegmentationError(f"{BOUNDARIES_ARG} must be a list of token indices, got {boundaries!r}")
             return split_at(token_ids, boundaries, max_chunks=self.config.max_chunks,
                             max_chunk_len=self.config.max_chunk_len)
-        return self.splitter.split(token_ids) if self.splitter else None
+        return self.splitter.split(token_ids, separator) if separator else None
 
     def annotate(self, request, documents: DocumentBoundaries | None = None) -> None:
         """Adds the segmentation to an EngineCoreRequest (in place), or leaves it ordinary;
@@ -147,9 +171,20 @@ class RequestAnnotator:
         args = dict(params.extra_args or {})
         args.pop(SALT_ARG, None)
         args.pop(UNCHUNKED_ARG, None)
+        if args.get(MODE_ARG) == OFF:
+            others = [key for key in GRAPHCHUNK_ARGS if key in args and key != MODE_ARG]
+            if others:
+                raise SegmentationError(f"{MODE_ARG} 'off' runs the request as in vanilla vLLM; it takes no "
+                                        f"{', '.join(others)}")
+            args.pop(MODE_ARG)
+            if documents is not None:  # placed by graphchunk's renderer; run as an ordinary prompt
+                args[UNCHUNKED_ARG] = True
+            params.extra_args = args or None
+            return
         mode, policy = resolve_mode(args, self.config, self.blend_refusal)
         temperature = resolve_temperature(args, self.config, mode, self.temperature_refusal)
         seg = self.segment(request.prompt_token_ids, args, documents)
+        args.pop(SEPARATOR_ARG, None)
         if seg is None or seg.layout.num_chunks == 0:
             for key in (BOUNDARIES_ARG, *MODE_ARGS):  # no chunks: exactly an ordinary causal prompt
                 args.pop(key, None)
@@ -179,6 +214,17 @@ class RequestAnnotator:
         request.cache_salt = f"{request.cache_salt or ''}{SALT_MARK}{fingerprint}"
 
 
+def _separator(extra_args: dict, config: GraphChunkConfig) -> str:
+    """The separator a request is split at: its own (``SEPARATOR_ARG``, checked), else the
+    deployment's; '' for none."""
+    if SEPARATOR_ARG not in extra_args:
+        return config.separator
+    separator = extra_args[SEPARATOR_ARG]
+    if not isinstance(separator, str) or not separator.strip():
+        raise SegmentationError(f"{SEPARATOR_ARG} must be {_EXPECTED[SEPARATOR_ARG]} (e.g. '##'), got {separator!r}")
+    return separator
+
+
 def resolve_mode(extra_args: dict, config: GraphChunkConfig,
                  blend_refusal: str | None = None) -> tuple[str, RecomputePolicy | None]:
     """A request's mode and (blend) recompute policy, from its extra_args and the deployment's
@@ -187,8 +233,8 @@ def resolve_mode(extra_args: dict, config: GraphChunkConfig,
     back with it (``chunk_request``)."""
     if MODE_ARG in extra_args:
         mode = extra_args[MODE_ARG]
-        if not isinstance(mode, str) or mode not in MODES:
-            raise SegmentationError(f"{MODE_ARG} must be one of {MODES}, got {mode!r}")
+        if not isinstance(mode, str) or mode not in MODES:  # 'off' never gets here (``annotate``)
+            raise SegmentationError(f"{MODE_ARG} must be one of {REQUEST_MODES}, got {mode!r}")
     else:
         mode = config.default_mode(blend_refusal)
     given = [key for key in POLICY_ARGS if key in extra_args]
@@ -340,7 +386,8 @@ def blend_fingerprint(seg: SegmentedPrompt, policy: RecomputePolicy) -> str:
 
 _EXPECTED = {
     BOUNDARIES_ARG: "a list of integer token indices",
-    MODE_ARG: f"one of {MODES}",
+    MODE_ARG: f"one of {REQUEST_MODES}",
+    SEPARATOR_ARG: "a text with a non-whitespace character",
     RECOMPUTE_ARG: f"one of {POLICIES}",
     RATIO_ARG: "a number in [0, 1]",
     TOKENS_ARG: "an integer >= 0",
@@ -373,6 +420,8 @@ def beam_search_problem(body) -> str | None:
         return None
     kwargs, xargs = (value if isinstance(value, dict) else {} for value in map(body.get, ("chat_template_kwargs",
                                                                                           "vllm_xargs")))
+    if xargs.get(MODE_ARG) == OFF:  # runs as in vanilla vLLM: nothing to lose
+        return None
     documents = asks_for_documents({**kwargs, "documents": body.get("documents") or kwargs.get("documents")},
                                    body.get("messages"))
     if not documents and not any(key in xargs for key in GRAPHCHUNK_ARGS):

@@ -25,8 +25,12 @@ DOCS = [
 QUESTION = "In which city is the Colosseum?"
 
 
+SEPARATOR = "##"
+"""The seeds' form: an opt-in of a deployment (``graphchunk.separator``) or a request (``graphchunk_separator``)."""
+
+
 def rag_prompt(docs: list[str]) -> str:
-    return " ## ".join([SYS, *docs, QUESTION])
+    return f" {SEPARATOR} ".join([SYS, *docs, QUESTION])
 
 
 def print_plan(name: str, seg: SegmentedPrompt, pool: ChunkPool, space: KeySpace, tokenizer) -> None:
@@ -60,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     path = models.smollm2_path()
     tokenizer = transformers.AutoTokenizer.from_pretrained(path, **models.LOCAL)
     cfg = GraphChunkConfig()
-    splitter = SeparatorSplitter(tokenizer, cfg.separator, max_chunks=cfg.max_chunks, max_chunk_len=cfg.max_chunk_len)
+    splitter = SeparatorSplitter(tokenizer, SEPARATOR, max_chunks=cfg.max_chunks, max_chunk_len=cfg.max_chunk_len)
     pool = ChunkPool(num_blocks=64, block_size=16)
     space = KeySpace(model=path.name, dtype="float32")
     oracle = Oracle(path)

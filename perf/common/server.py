@@ -174,7 +174,8 @@ def server_flags(args) -> list[str]:
 def graphchunk_settings(args, pool_tokens: int, max_chunk_len: int, store_root: Path) -> dict:
     """graphchunk's ``--additional-config`` section."""
     gc = {"pool_tokens": pool_tokens, "max_chunks": max(32, args.docs_per_request[1]),
-          "max_chunk_len": max_chunk_len, "store_path": str(store_root), "mode": "isolated"}
+          "max_chunk_len": max_chunk_len, "store_path": str(store_root), "mode": "isolated",
+          "separator": "##"}  # completions traces send the seeds' form (``trace.Encoder.text``)
     if args.store_bytes:
         gc["store_bytes"] = args.store_bytes
     if args.eviction:

@@ -100,7 +100,8 @@ COUNTERS = ("lookups", "hits", "misses", "evictions", "tokens_reused", "tokens_c
 # --- servers ----------------------------------------------------------------------------------
 
 def mode_settings(mode: str, args, pool_tokens: int, max_chunk_len: int) -> dict:
-    gc = {"pool_tokens": pool_tokens, "max_chunks": max(8, args.docs_per_request[1]), "max_chunk_len": max_chunk_len}
+    gc = {"pool_tokens": pool_tokens, "max_chunks": max(8, args.docs_per_request[1]), "max_chunk_len": max_chunk_len,
+          "separator": "##"}  # the trace's text prompts use the seeds' form
     if args.miss_budget:
         gc["miss_budget"] = args.miss_budget
     if mode == "isolated":
