@@ -21,7 +21,8 @@ from graphchunk.segments import split_at
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("oracle_references")]
 
 PREFIX = "Here is a document.\n\n"
-QUESTION = {"graphchunk_mode": "blend", "graphchunk_recompute": "question", "graphchunk_recompute_ratio": 0.3}
+QUESTION = {"graphchunk_mode": "blend", "graphchunk_recompute": "question", "graphchunk_recompute_ratio": 0.3,
+            "graphchunk_recompute_block": 1}  # single tokens: the oracle picks them (``cacheblend_tokens``)
 
 
 def build_prefix_llm():

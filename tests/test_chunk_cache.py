@@ -334,3 +334,4 @@ def test_a_job_reading_blocks_that_changed_poisons_its_entry():
     chunk_unit = [u for u in plan.units if u.kind == "chunk"]
     assert cc.runner.fill([(prompt, chunk_unit)], device) == []
     assert cc.runner.take_invalid() == set(prompt.block_ids[chunk_unit[0].lo // BS:])
+    assert cc.runner.take_failed() == {chunk_job.epoch, sys_job.epoch}  # what it read leaves the index too

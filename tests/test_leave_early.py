@@ -6,6 +6,7 @@ each finding of issue 45 as a scenario that failed before its fix.
 - a fill that fails its check under asynchronous scheduling, its request gone before the report:
   no later request is served the unfilled blocks from vLLM's prefix cache;
 - a bad entry fails the requests planned before the workers report it, then leaves the index;
+  a bad system prompt entry too, when only chunk jobs read it (issue 63);
 - a request whose context needs most of the pool is planned under a steady stream of smaller
   requests with misses, not starved;
 - a blend request that was blended, preempted and resumed as a full prefill captures no entry
@@ -143,6 +144,35 @@ def test_a_bad_entry_fails_the_requests_planned_before_its_report_then_leaves_th
     errors = [r for r in later if steps.finished[r] == FinishReason.ERROR]
     assert errors == later[:1], f"failed: {errors}"
     assert context.metrics.entries_failed == 1
+    assert not steps.served_wrong()
+
+
+def test_a_bad_system_prompt_entry_that_chunk_jobs_read_leaves_the_index(vllm_scheduler):
+    """Issue 63, point 2: a system prompt of whole blocks (32 tokens) is served by vLLM's prefix
+    cache, so no request copies it and no copy checks it; only the chunk jobs of new documents read
+    its entry. Made bad, it poisons those jobs, and the workers report the entry they read as well
+    as the jobs' own: it leaves the pool's index and the requests after compute it again and
+    complete (before, only the jobs' entries were reported: every later request with a new document
+    failed and the system prompt's entry stayed indexed)."""
+    from vllm.v1.engine import FinishReason
+
+    whole = list(range(1000, 1032))
+    scheduler, workers, stream, steps = setup(vllm_scheduler)
+    context = scheduler.connector._context()
+    warm = stream.make(whole, docs(20000, 1, 40), [40000])
+    scheduler.add_request(warm)
+    run(steps, lambda: warm.request_id in steps.finished)
+    bad = next(e for e in context.pool._index.values() if tuple(e.tokens) == tuple(whole))
+    workers.inject_entry(bad)
+    later = []
+    for k in range(4):  # each with a document no request had: its chunk job reads the system prompt's entry
+        request = stream.make(whole, docs(30000 + 3000 * k, 1, 40), [40000])
+        later.append(request.request_id)
+        scheduler.add_request(request)
+        run(steps, lambda: request.request_id in steps.finished)
+    errors = [r for r in later if steps.finished[r] == FinishReason.ERROR]
+    assert errors == later[:1], f"failed: {errors}"
+    assert all(entry.epoch != bad.epoch for entry in context.pool._index.values())
     assert not steps.served_wrong()
 
 

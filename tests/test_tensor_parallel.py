@@ -86,7 +86,7 @@ def test_key_temperature_and_question_policy_with_tp2(tp_llm, tiny_oracle):
     hot = RagPrompt("Answer from the documents.", DOCS[::-1], question,
                     extra={"graphchunk_mode": "isolated", "graphchunk_key_temperature": 0.7})
     asked = RagPrompt("Be brief.", DOCS, question, extra={"graphchunk_mode": "blend", "graphchunk_recompute": "question",
-                                                          "graphchunk_recompute_ratio": 0.3})
+                                                          "graphchunk_recompute_ratio": 0.3, "graphchunk_recompute_block": 1})
     hot_out, asked_out = tp_llm.generate([hot, asked], sampling())
     seg = split_at(*tp_llm.encode(hot), **LIMITS)
     assert_matches_reference(hot_out, reference(tiny_oracle, seg, MAX_TOKENS, 0.7), "isolated T=0.7")

@@ -271,7 +271,7 @@ def test_contextualized_entries_are_served_as_hf_computes_them_behind_their_cont
     assert sorted(h["context"] for h in headers) == sorted(
         context_identity(source.token_ids[:source.layout.chunk_starts()[-1]]) for source in sources.values())
     prompt = RagPrompt(SYS, [b, a], QUESTION, extra={"graphchunk_mode": "blend", "graphchunk_recompute": "question",
-                                                     "graphchunk_recompute_ratio": 0.3})
+                                                     "graphchunk_recompute_ratio": 0.3, "graphchunk_recompute_block": 1})
     before = server_a.stats()
     (output,) = server_a.generate([prompt], sampling())
     moved = {name: server_a.stats()[name] - before[name] for name in before}

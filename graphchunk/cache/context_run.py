@@ -29,8 +29,8 @@ anything else is not filled: its own blocks from the first affected one on are r
 (``take_invalid``; vLLM fails the request through its KV-load-failure path, and the scheduler's
 connector evicts the blocks from vLLM's prefix cache whatever state their request is in), and a
 job whose input is wrong stamps its entry ``POISONED``, so that every copy from it fails the same
-way. Either way the entry is reported (``take_failed``) and leaves the pool's index at once: the
-next request computes it again. With the scheduler's lifetimes right
+way. Either way the entry is reported (``take_failed``; a poisoned job's input entry too) and
+leaves the pool's index at once: the next request computes it again. With the scheduler's lifetimes right
 (``engine/context_scheduler.py``) this never fires; it makes a lifetime bug an error instead of
 a wrong answer that vLLM's prefix cache would keep serving, and one error instead of an outage.
 """
@@ -189,15 +189,17 @@ class ContextRunner:
 
     def _stamp(self, job: MissJob) -> None:
         """Marks the job's entry blocks as its entry's, before anything writes them; poisoned when
-        what it reads is not what its plan read."""
-        bad = [blocks for blocks, epoch in job.reads if not self._holds(blocks, epoch)]
+        what it reads is not what its plan read. Both are reported: the job's entry and the entry it
+        read (a system prompt's that vLLM's prefix cache serves is checked by no copy, only here)."""
+        bad = [(blocks, epoch) for blocks, epoch in job.reads if not self._holds(blocks, epoch)]
         if bad:
             logger.error("graphchunk: job %d reads pool blocks %s that no longer hold the entry it was planned "
-                         "over; its entry is poisoned and every request copying it fails", job.job_id, bad)
+                         "over; its entry is poisoned and every request copying it fails", job.job_id,
+                         [blocks for blocks, _ in bad])
         for block in job.entry_blocks:
             self.epochs[block] = POISONED if bad else job.epoch
         if bad:
-            self.failed.add(job.epoch)
+            self.failed.update([job.epoch, *(epoch for _, epoch in bad)])
 
     def _holds(self, blocks, epoch: int) -> bool:
         return epoch != POISONED and all(self.epochs.get(block) == epoch for block in blocks)
