@@ -99,6 +99,10 @@ class GraphChunkConfig:
     share; '' keeps chunk KV in the pool only."""
     store_bytes: int = 16 << 30
     """The tier's budget in bytes of files; the least recently used files go first."""
+    store_key_file: str = ""
+    """A file holding the tier's secret (at least 16 bytes): files are then signed with a keyed
+    BLAKE2b MAC and only files made with that secret are served, so that no one without it shapes
+    what requests read (docs/tier.md, trust model). '': unkeyed files (xxh3: corruption, not forgery)."""
     host_bytes: int = 0
     """Budget of the host-memory tier in front of ``store_path`` (``cache/host_tier.py``; pinned on CUDA);
     0: none."""
@@ -177,6 +181,8 @@ class GraphChunkConfig:
             raise ConfigError(f"graphchunk.eviction must be one of {POLICIES}, got {self.eviction!r}")
         if self.host_bytes < 0:
             raise ConfigError(f"graphchunk.host_bytes must be >= 0, got {self.host_bytes}")
+        if self.store_key_file and not self.store_path:
+            raise ConfigError("graphchunk.store_key_file signs the persistent tier's files: set graphchunk.store_path too")
         if self.host_bytes and not self.store_path:
             raise ConfigError("graphchunk.host_bytes is the host-memory tier in front of the persistent tier: "
                               "set graphchunk.store_path too")
@@ -242,6 +248,6 @@ def valid_key_temperature(value) -> bool:
 _TYPES = {"separator": str, "max_chunks": int, "max_chunk_len": int, "pool_tokens": int, "eviction": str,
           "mode": str, "key_temperature": (int, float), "templates": str, "recompute": str, "recompute_ratio": (int, float), "recompute_tokens": int,
           "recompute_sinks": int, "recompute_spread": str, "recompute_layers": int, "recompute_block": int,
-          "check_layer": int, "store_path": str, "store_bytes": int,
+          "check_layer": int, "store_path": str, "store_bytes": int, "store_key_file": str,
           "host_bytes": int, "documents_fallback": str, "miss_budget": int,
           "recompute_budget": int, "blend_misses": str, "blend_entries": str, "blend_prefix": str}

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from graphchunk.cache.host_tier import HostTier
-from graphchunk.cache.store import FORMAT_VERSION, ChunkStore, StoreIdentity, prepare_directory, weights_digest
+from graphchunk.cache.store import (FORMAT_VERSION, ChunkStore, StoreIdentity, prepare_directory, read_store_key,
+                                    weights_digest)
 from graphchunk.config import ConfigError
 from graphchunk.metrics import CacheMetrics
 
@@ -25,8 +26,8 @@ IDENTITY = StoreIdentity(model_path="/models/m", weights_digest="d1", kv_dtype="
 KEY, TOKENS = bytes(range(16)), (5, 6, 7, 8, 9)
 
 
-def store(root, identity=IDENTITY, budget=1 << 30) -> ChunkStore:
-    return ChunkStore(root, budget, identity, LAYERS, BLOCK)
+def store(root, identity=IDENTITY, budget=1 << 30, mac_key=None) -> ChunkStore:
+    return ChunkStore(root, budget, identity, LAYERS, BLOCK, mac_key=mac_key)
 
 
 def payload(num_blocks=2, seed=0, dtype=torch.bfloat16) -> torch.Tensor:
@@ -242,3 +243,58 @@ def test_host_tier_keeps_the_most_recently_used_within_its_budget():
     assert host.metrics.tier_host_bytes == 2 * size
     host.put(bytes(16), TOKENS, "isolated", payload(num_blocks=6))  # larger than the budget: not kept
     assert host.metrics.tier_host_bytes == 2 * size
+
+
+def _forged(path, data: torch.Tensor) -> None:
+    """Rewrites a tier file's payload as a writer without the store key can: the unkeyed checksum
+    recomputed over the new bytes."""
+    import xxhash
+
+    raw = bytearray(path.read_bytes())
+    header_len = struct.unpack_from("<4sII", raw)[2]
+    start = 12 + header_len
+    new = data.contiguous().view(torch.uint8).numpy().tobytes()
+    raw[start:start + len(new)] = new
+    raw[-16:] = xxhash.xxh3_128_digest(bytes(raw[12:-16]))
+    path.write_bytes(bytes(raw))
+
+
+def test_unkeyed_files_can_be_forged_keyed_ones_cannot(tmp_path):
+    """Without a store key a writer that knows a document shapes what requests read: a payload it
+    replaced, checksum recomputed, is served. With one (``store_key_file``) the same forgery is
+    refused (counted, not removed), and a keyed server's own files round-trip."""
+    s, path = saved(tmp_path / "plain")
+    _forged(path, payload(seed=7))
+    assert torch.equal(s.load(KEY, TOKENS, "isolated", 2), payload(seed=7))  # the forgery is served
+    key = read_store_key(_key_file(tmp_path, b"k" * 32))
+    signed, path = saved(tmp_path / "keyed", mac_key=key)
+    assert torch.equal(signed.load(KEY, TOKENS, "isolated", 2), payload())
+    _forged(path, payload(seed=7))
+    assert signed.load(KEY, TOKENS, "isolated", 2) is None and signed.metrics.tier_rejected == 1 and path.exists()
+
+
+def test_a_file_made_under_another_key_or_none_is_not_served(tmp_path):
+    one, two = (read_store_key(_key_file(tmp_path, secret)) for secret in (b"a" * 32, b"b" * 32))
+    _, path = saved(tmp_path, mac_key=one)
+    for reader in (store(tmp_path, mac_key=two), store(tmp_path)):  # another key; none
+        assert reader.load(KEY, TOKENS, "isolated", 2) is None and reader.metrics.tier_rejected == 1
+        assert path.exists()  # another deployment's file, not a corrupt one
+    store(tmp_path).save(KEY, TOKENS, len(TOKENS), "isolated", payload())  # an unkeyed file under the name
+    assert store(tmp_path, mac_key=one).load(KEY, TOKENS, "isolated", 2) is None
+
+
+def _key_file(tmp_path, secret: bytes):
+    path = tmp_path / f"key-{secret[:1].decode()}-{len(secret)}"
+    path.write_bytes(secret)
+    return str(path)
+
+
+def test_a_store_key_file_that_is_missing_or_short_is_a_config_error(tmp_path):
+    from graphchunk.config import GraphChunkConfig
+
+    with pytest.raises(ConfigError, match="graphchunk.store_key_file=.* cannot be read"):
+        read_store_key(str(tmp_path / "missing"))
+    with pytest.raises(ConfigError, match="holds 8 bytes; a store key needs at least 16"):
+        read_store_key(_key_file(tmp_path, b"12345678"))
+    with pytest.raises(ConfigError, match="store_key_file signs the persistent tier's files: set graphchunk.store_path"):
+        GraphChunkConfig(store_key_file="/etc/key")

@@ -409,3 +409,23 @@ def test_no_reference_or_block_leaks(server_a, server_b):
         stats = llm.stats()
         assert stats["pool_refs_held"] == 0 and stats["pool_blocks_leaked"] == 0
         assert stats["tier_write_errors"] == 0
+
+
+def test_a_store_key_signs_every_file_a_server_writes(tiny, tiny_oracle, tmp_path):
+    """``store_key_file`` reaches the workers' tier: the engine answers as the oracle does, and every
+    file it writes is keyed (its header says so, and the unkeyed checksum does not match it), so a
+    writer without the key cannot make one it serves (``test_store``)."""
+    import os
+
+    key = tmp_path / "tier.key"
+    key.write_bytes(os.urandom(32))
+    store = engines.scratch("keyed-tier")
+    llm = engine(tiny, store, store_key_file=str(key))
+    try:
+        moved = run(llm, tiny_oracle, RagPrompt(SYS, docs(2), QUESTION))
+    finally:
+        engines.close_soon(llm)
+    files = tier_files(store)
+    assert len(files) == moved["tier_writes"] >= 2
+    assert all(_header(path)["mac"] == "keyed" for path in files)
+    assert all(xxhash.xxh3_128_digest(raw[12:-16]) != raw[-16:] for raw in map(Path.read_bytes, files))

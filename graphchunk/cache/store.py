@@ -4,7 +4,7 @@ A pool miss asks the tier before computing; an entry computed into the pool is w
 to it, so a restarted server, another server on the same directory (a shared filesystem) or
 ``graphchunk-precompute`` run before the deployment find it there. One file per entry:
 
-    b"GCKV" | format version (u32) | header length (u32) | header (JSON) | payload | xxh3-128
+    b"GCKV" | format version (u32) | header length (u32) | header (JSON) | payload | digest (128 bits)
 
 The header names everything that decides whether the bytes are this engine's KV: graphchunk's
 format version, the model (path, and a digest of its weights' metadata: two copies of the same
@@ -13,7 +13,10 @@ dtype and per-layer layout (shape without the block dimension, backend, in-block
 size, parallel layout and rank, mode, key and tokens, and for a blend entry that
 ``graphchunk-precompute --context`` computed behind the operator's context documents, that
 context's identity (``context``: informational; the entry is served wherever its chunk is). The payload is the entry's whole blocks in
-every layer ([layers, blocks, *block]); the checksum covers header and payload.
+every layer ([layers, blocks, *block]); the digest covers header and payload. It is xxh3-128 (it
+catches a torn or corrupt file, not a forged one), or with a store key (``store_key_file``) a
+keyed BLAKE2b MAC: a server with a key serves only files made with that key, and one without
+serves no keyed file (the header says ``"mac": "keyed"``).
 
 A file is written to a temporary name in its directory and renamed over the final name
 (``os.replace`` is atomic on POSIX filesystems), so concurrent writers of one entry each leave a
@@ -30,6 +33,7 @@ budget. Writes are synchronous within the step. With ``host_bytes``, a host-memo
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import struct
@@ -89,12 +93,15 @@ class StoreIdentity:
 class ChunkStore:
     def __init__(self, path: str | Path, budget_bytes: int, identity: StoreIdentity, num_layers: int,
                  block_shape: Sequence[int], metrics: CacheMetrics | None = None,
-                 all_ranks: Callable[[bool], bool] | None = None, host: HostTier | None = None):
+                 all_ranks: Callable[[bool], bool] | None = None, host: HostTier | None = None,
+                 mac_key: bytes | None = None):
         """``block_shape``: one block of one layer's KV cache, as ``KVCopier.read_blocks`` gives it.
         ``all_ranks(found)``: whether every tensor-parallel rank found its file (a collective);
         a rank serves its file only then, since a miss is computed by a forward all ranks join.
-        ``host``: the host-memory tier in front of the directory (``host_tier.py``)."""
+        ``host``: the host-memory tier in front of the directory (``host_tier.py``); ``mac_key``:
+        the deployment's store key (``read_store_key``), None for unkeyed files."""
         self.root = Path(path)
+        self.mac_key = mac_key
         self.host = host
         self.all_ranks = all_ranks
         self.num_layers = num_layers
@@ -171,8 +178,8 @@ class ChunkStore:
         body_end = len(raw) - _DIGEST
         if _PREAMBLE.size + header_len > body_end:
             raise RejectedFile(f"truncated: {len(raw)} bytes, header alone needs {header_len}", corrupt=True)
-        if xxhash.xxh3_128_digest(memoryview(raw)[_PREAMBLE.size:body_end]) != raw[body_end:]:
-            raise RejectedFile("checksum mismatch (truncated or corrupt)", corrupt=True)
+        if self._digest(memoryview(raw)[_PREAMBLE.size:body_end]) != raw[body_end:]:
+            raise self._mismatch(raw, header_len)
         try:
             header = json.loads(raw[_PREAMBLE.size:_PREAMBLE.size + header_len])
         except ValueError as exc:
@@ -182,6 +189,27 @@ class ChunkStore:
             raise RejectedFile(f"payload of {len(payload)} bytes, header says {header.get('payload_bytes')}",
                                corrupt=True)
         return header, payload
+
+    def _digest(self, *parts) -> bytes:
+        """xxh3-128 of ``parts``, or with a store key their keyed BLAKE2b (128 bits)."""
+        digest = xxhash.xxh3_128() if self.mac_key is None else hashlib.blake2b(key=self.mac_key, digest_size=_DIGEST)
+        for part in parts:
+            digest.update(part)
+        return digest.digest()
+
+    def _mismatch(self, raw: bytearray, header_len: int) -> RejectedFile:
+        """Why a file's digest does not match: corrupt (removed), or made with another key or none
+        (ignored: it may be another deployment's), as far as its unverified header says."""
+        if self.mac_key is not None:
+            return RejectedFile("not made with this deployment's store key (store_key_file): another key's, "
+                                "an unkeyed or forged file, or a corrupt one", corrupt=False)
+        try:
+            keyed = json.loads(raw[_PREAMBLE.size:_PREAMBLE.size + header_len]).get("mac") == "keyed"
+        except (ValueError, AttributeError):
+            keyed = False
+        if keyed:
+            return RejectedFile("made with a store key, and this server has none (store_key_file)", corrupt=False)
+        return RejectedFile("checksum mismatch (truncated or corrupt)", corrupt=True)
 
     def _reject(self, path: Path, exc: RejectedFile, inode: int | None) -> None:
         self.metrics.tier_rejected += 1
@@ -211,9 +239,9 @@ class ChunkStore:
             "tokens": list(map(int, tokens)), "num_tokens": num_tokens, "payload_dtype": str(data.dtype),
             "payload_shape": list(data.shape), "payload_bytes": len(payload), "written_by": os.getpid(),
             **({"context": context} if context is not None else {}),
+            **({"mac": "keyed"} if self.mac_key is not None else {}),
         }, separators=(",", ":")).encode()
-        digest = xxhash.xxh3_128(header)
-        digest.update(payload)
+        digest = self._digest(header, payload)
         tmp = path.parent / f".{path.name}.{uuid.uuid4().hex[:12]}.tmp"
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -221,7 +249,7 @@ class ChunkStore:
                 f.write(_PREAMBLE.pack(MAGIC, FORMAT_VERSION, len(header)))
                 f.write(header)
                 f.write(payload)
-                f.write(digest.digest())
+                f.write(digest)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
@@ -278,6 +306,19 @@ def prepare_directory(path: str | Path) -> None:
         probe.unlink()
     except OSError as exc:
         raise ConfigError(f"graphchunk.store_path={str(path)!r} is not a writable directory: {exc}") from None
+
+
+def read_store_key(path: str) -> bytes:
+    """The deployment's store key from the file ``path`` (``store_key_file``): a BLAKE2b key derived
+    from its bytes, at least 16 of them. Raises ConfigError naming the setting."""
+    try:
+        secret = Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"graphchunk.store_key_file={path!r} cannot be read: {exc}") from None
+    if len(secret.strip()) < 16:
+        raise ConfigError(f"graphchunk.store_key_file={path!r} holds {len(secret.strip())} bytes; a store key needs "
+                          "at least 16 (e.g. head -c 32 /dev/urandom > FILE)")
+    return hashlib.blake2b(secret.strip(), digest_size=32).digest()
 
 
 def weights_digest(model: str, revision: str | None = None) -> str:

@@ -18,7 +18,7 @@ from graphchunk.cache.context_run import ContextRunner
 from graphchunk.cache.host_tier import HostTier
 from graphchunk.cache.keys import KeySpace
 from graphchunk.cache.kv_slots import KVCopier, KVSlotMap
-from graphchunk.cache.store import ChunkStore, StoreIdentity, weights_digest
+from graphchunk.cache.store import ChunkStore, StoreIdentity, read_store_key, weights_digest
 from graphchunk.compat import vllm_name
 from graphchunk.config import ConfigError, GraphChunkConfig
 from graphchunk.engine.blend_support import BlendSupport
@@ -124,8 +124,9 @@ def _tier(runner, config: GraphChunkConfig, layers, copier: KVCopier, slot_map: 
         kv_layout=f"{type(layer.impl).__name__} block {copier.block_shape} in-block {in_block}",
         parallel=f"{_parallel_layout(runner.parallel_config)} rank {get_tensor_model_parallel_rank()}")
     host = HostTier(config.host_bytes, metrics, pin=runner.device.type == "cuda") if config.host_bytes else None
+    key = read_store_key(config.store_key_file) if config.store_key_file else None
     tier = ChunkStore(config.store_path, config.store_bytes, identity, len(layers), copier.block_shape, metrics,
-                      all_ranks=_tp_all_ranks(), host=host)
+                      all_ranks=_tp_all_ranks(), host=host, mac_key=key)
     logger.info("graphchunk: persistent chunk tier at %s (%.1f of %.1f GiB used)", tier.root,
                 metrics.tier_bytes / 2**30, tier.budget / 2**30)
     return tier

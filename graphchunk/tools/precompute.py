@@ -142,6 +142,8 @@ def _moved(before: dict, after: dict) -> dict:
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="graphchunk-precompute", description=__doc__.split("\n\n")[0])
     parser.add_argument("--store", required=True, help="the tier directory (graphchunk.store_path)")
+    parser.add_argument("--store-key-file", default="",
+                        help="the servers' graphchunk.store_key_file: files signed so that they serve them")
     parser.add_argument("--corpus", required=True,
                         help="JSONL: one {\"text\" or \"document\", \"sys\"?, \"mode\"?} per line")
     parser.add_argument("--model", default=None, help="model path (default: the bundled SmolLM2)")
@@ -195,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     engine = {key: value for key, value in (("block_size", args.block_size), ("max_model_len", args.max_model_len),
                                             ("chat_template", args.chat_template)) if value is not None}
     settings = {**extra, "store_path": args.store}
+    if args.store_key_file:
+        settings["store_key_file"] = args.store_key_file
     if contexts is not None:
         settings.update(blend_entries="precompute", mode="blend")
     documents = not text_only
