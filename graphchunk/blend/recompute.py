@@ -140,20 +140,21 @@ def select_tokens(candidates: np.ndarray, scores: np.ndarray, policy: RecomputeP
     for group in groups:
         fixed, rest = group & sink, group & ~sink
         count = _count(policy.ratio, int(group.sum())) - int(fixed.sum())
-        picks += [candidates[fixed], _top(candidates[rest], scores[rest], max(0, count), block[rest])]
+        picks += [candidates[fixed], _top(candidates[rest], scores[rest], max(0, count),
+                                          None if block is None else block[rest])]
     return np.sort(np.concatenate(picks))
 
 
-def _block_keys(candidates: np.ndarray, chunk_spans: list[tuple[int, int]], block: int) -> np.ndarray:
+def _block_keys(candidates: np.ndarray, chunk_spans: list[tuple[int, int]], block: int) -> np.ndarray | None:
     """Each candidate's block (``block`` tokens of its chunk span from the span's first token), as
-    an integer that orders blocks as their tokens; candidates outside every span are blocks of one."""
+    the block's first index; candidates outside every span are blocks of one. None for single
+    tokens (``_top``'s plain ranking)."""
     if block == 1 or not chunk_spans:
-        return candidates
+        return None
     begins = np.asarray([b for b, _ in chunk_spans], np.int64)
     span = np.maximum(np.searchsorted(begins, candidates, side="right") - 1, 0)
     inside = (candidates >= begins[span]) & (candidates < np.asarray([e for _, e in chunk_spans])[span])
-    start = np.where(inside, begins[span] + (candidates - begins[span]) // block * block, candidates)
-    return start
+    return np.where(inside, begins[span] + (candidates - begins[span]) // block * block, candidates)
 
 
 def _count(ratio: float, n: int) -> int:

@@ -312,13 +312,13 @@ def read_store_key(path: str) -> bytes:
     """The deployment's store key from the file ``path`` (``store_key_file``): a BLAKE2b key derived
     from its bytes, at least 16 of them. Raises ConfigError naming the setting."""
     try:
-        secret = Path(path).read_bytes()
+        secret = Path(path).read_bytes().strip()
     except OSError as exc:
         raise ConfigError(f"graphchunk.store_key_file={path!r} cannot be read: {exc}") from None
-    if len(secret.strip()) < 16:
-        raise ConfigError(f"graphchunk.store_key_file={path!r} holds {len(secret.strip())} bytes; a store key needs "
+    if len(secret) < 16:
+        raise ConfigError(f"graphchunk.store_key_file={path!r} holds {len(secret)} bytes; a store key needs "
                           "at least 16 (e.g. head -c 32 /dev/urandom > FILE)")
-    return hashlib.blake2b(secret.strip(), digest_size=32).digest()
+    return hashlib.blake2b(secret, digest_size=32).digest()
 
 
 def weights_digest(model: str, revision: str | None = None) -> str:
