@@ -44,6 +44,29 @@ class RagPrompt:
     entries included (and blend entries taken from full prefills, ``blend_entries`` 'context')."""
 
 
+class RequestFailed(RuntimeError):
+    """A request of a ``generate`` or ``chat`` call finished with vLLM's finish reason 'error'.
+    ``outputs``: every RequestOutput of the call, the failed ones included."""
+
+    def __init__(self, message: str, outputs: list):
+        super().__init__(message)
+        self.outputs = outputs
+
+
+def raise_failed(outputs: list) -> list:
+    """``outputs``, unless one of them finished with vLLM's finish reason 'error' (then
+    ``RequestFailed``, naming them and what graphchunk fails a request for)."""
+    failed = [out.request_id for out in outputs if any(c.finish_reason == "error" for c in out.outputs)]
+    if failed:
+        raise RequestFailed(
+            f"graphchunk: {len(failed)} of {len(outputs)} requests failed (finish reason 'error'): {failed}. graphchunk "
+            f"fails a request whose context can never fit its chunk pool (raise graphchunk.pool_tokens) or whose context "
+            f"fill failed its check more times than it is planned again (a bug: the log names the pool entries); "
+            f"vLLM fails requests for its own reasons too. The log names the cause; every output is in .outputs",
+            outputs)
+    return outputs
+
+
 def encode_prompt(tokenizer, prompt: RagPrompt) -> tuple[list[int], list[int]]:
     """Token ids and segment boundaries (start of each chunk and of the question) of ``prompt``
     under ``tokenizer`` (a Hugging Face tokenizer): what ``GraphChunkLLM.encode`` sends, without
@@ -112,7 +135,8 @@ class GraphChunkLLM:
         or as the deployment's default); bad values raise ValueError naming the setting. An
         ordinary prompt (no chunks) runs as vanilla vLLM whatever the mode; ``separator`` (e.g.
         '##') splits plain prompts where it stands as a word inside a line; ``mode="off"`` runs
-        every prompt, a ``RagPrompt``'s tokens included, as vanilla vLLM."""
+        every prompt, a ``RagPrompt``'s tokens included, as vanilla vLLM. A request that fails
+        (finish reason 'error') raises ``RequestFailed``, which holds every output of the call."""
         from vllm import SamplingParams
 
         if prompts is None:
@@ -144,7 +168,7 @@ class GraphChunkLLM:
                     prompt["cache_salt"] = salt
             inputs.append(prompt)
             all_params.append(p)
-        return self.llm.generate(inputs, all_params, use_tqdm=use_tqdm)
+        return raise_failed(self.llm.generate(inputs, all_params, use_tqdm=use_tqdm))
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = False, *, documents: list[dict] | None = None,
              chat_template: str | None = None, chat_template_kwargs: dict[str, Any] | None = None,
@@ -156,7 +180,8 @@ class GraphChunkLLM:
         (e.g. ``[{"title": ..., "text": ...}]``) become one chunk each, placed and tokenized exactly
         as the OpenAI server does for a chat completions request with the same ``documents``
         (``graphchunk.documents``); bad documents raise ValueError naming the document. ``mode``,
-        ``key_temperature`` and the ``recompute*`` settings as in ``generate``."""
+        ``key_temperature`` and the ``recompute*`` settings as in ``generate``; a failed request
+        raises ``RequestFailed`` as there."""
         from vllm import SamplingParams
 
         params = (sampling_params or SamplingParams()).clone()
@@ -168,8 +193,8 @@ class GraphChunkLLM:
         kwargs = dict(chat_template_kwargs or {})
         if documents is not None:
             kwargs["documents"] = documents
-        return self.llm.chat(messages, params, use_tqdm=use_tqdm, chat_template=chat_template,
-                             chat_template_kwargs=kwargs or None)
+        return raise_failed(self.llm.chat(messages, params, use_tqdm=use_tqdm, chat_template=chat_template,
+                                          chat_template_kwargs=kwargs or None))
 
     def encode(self, prompt: RagPrompt) -> tuple[list[int], list[int]]:
         """Token ids and segment boundaries (start of each chunk and of the question); see

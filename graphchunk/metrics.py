@@ -119,7 +119,11 @@ class CacheMetrics:
                                   "while it waited for its misses; reported to vLLM, which then frees the request")
     entries_failed: int = _counter("Pool entries dropped from the index because a worker found them not holding what "
                                    "was planned (a job read the wrong input, or a copy failed its check): the requests "
-                                   "copying them failed; the next request computes them again")
+                                   "copying them are planned again; the next plan computes them again")
+    fills_retried: int = _counter("Times a request whose context read KV that failed its check went back to vLLM's "
+                                  "queue to be planned again")
+    requests_failed: int = _counter("Requests graphchunk failed: their context can never fit the chunk pool, or "
+                                    "failed its check more times than graphchunk retries it")
     pool_blocks_leaked: int = _gauge("Pool blocks used but owned by no indexed entry (0 unless something leaked)")
 
     @_derived_gauge("Used fraction of the pool")
@@ -167,8 +171,8 @@ COUNTERS = tuple(name for name, (kind, _) in SCHEMA.items() if kind == "counter"
 GAUGES = tuple(name for name, (kind, _) in SCHEMA.items() if kind == "gauge")
 FIELDS = COUNTERS + GAUGES
 """Order of the values in the shared metrics file."""
-POOL_FIELDS = ("evictions", "entries_failed", "pool_blocks_used", "pool_blocks_total", "pool_refs_held", "pool_blocks_leaked",
-               "pool_utilization", "blend_requests_pending", "blend_recompute_deferrals", "blend_full_prefills")
+POOL_FIELDS = ("evictions", "entries_failed", "fills_retried", "requests_failed", "pool_blocks_used", "pool_blocks_total",
+               "pool_refs_held", "pool_blocks_leaked", "pool_utilization", "blend_requests_pending", "blend_recompute_deferrals", "blend_full_prefills")
 """The pool's own metrics and the admission of blend requests: kept where vLLM schedules (the one
 pool index, ``engine/context_scheduler``) and published from there; every other field is the worker's."""
 WORKER_FIELDS = tuple(name for name in FIELDS if name not in POOL_FIELDS)

@@ -4,14 +4,16 @@ randomized scheduling test (``test_schedule_random.py``) and of the tests of req
 early (``test_leave_early.py``).
 
 ``Workers`` checks, in every step, that each context a worker filled holds exactly its semantics'
-KV in every slot (``check_fills``), and that vLLM's forward never reads a segmented request's
-context before it holds that KV (``check_reads``: what vLLM's prefix cache supplied included);
-``inject`` plants a bad pool entry (its blocks no longer hold what was planned: a lifetime bug's
-effect), after which copies from it must fail and nothing they did not fill may be read.
+KV in every slot (``check_fills``), and notes each forward of a segmented request whose context
+does not hold that KV (``check_reads``: what vLLM's prefix cache supplied included); ``Steps``
+checks that no token such a forward computed is delivered (``served_wrong``). ``inject`` plants
+a bad pool entry (its blocks no longer hold what was planned: a lifetime bug's effect), after
+which copies from it must fail and the requests that read them be planned again.
 ``accounting`` is vLLM's side of what a request gives back: its blocks and its ``Request``.
 """
 from __future__ import annotations
 
+import collections
 import os
 import random
 from types import SimpleNamespace
@@ -142,8 +144,13 @@ class Workers:
         self.failed_fills: set[str] = set()
         """Requests a fill or load failed for (their copies read a bad entry)."""
         self.bad_reads: dict[str, int] = {}
-        """Requests whose forward read context KV that is not their semantics' (and how often): each
-        must end in an error, never be served (``check_reads``)."""
+        """Requests whose forward read context KV that is not their semantics' (and how often)."""
+        self.tainted: set[str] = set()
+        """Requests whose context did not hold their semantics' KV at their last forward."""
+        self.bad_steps: set[tuple[int, str]] = set()
+        """(step, request): the step's forward of the request read context KV not its semantics'
+        (no token of that step may be delivered to it: ``Steps.served_wrong``)."""
+        self.step_no = 0
         self.last: dict[str, int] = {}
         """Per request, the token after the last one vLLM computed."""
 
@@ -170,9 +177,10 @@ class Workers:
     def step(self, so, scheduler):
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
+        self.step_no += 1
         work = work_of(so.kv_connector_metadata)
         refused = {fill.req_id: fill for fill in work.fills if fill.refused}
-        invalid, finished, failed, bad_fills = set(), set(), set(), []
+        invalid, finished, failed, refill, bad_fills = set(), set(), set(), set(), []
         for rank, engine in enumerate(self.engines):
             loads = {load.req_id: load for load in engine.loads + list(work.loads)}
             with engine.step(so):
@@ -193,6 +201,7 @@ class Workers:
                     finished.add(req_id)
             invalid |= engine.take_invalid()
             failed |= engine.take_failed()
+            refill |= engine.take_refill()
             if self.settled or self.rng.random() < 0.7:  # else the worker's report of its jobs comes a step late
                 self.done_before[rank] = engine.done_before
         self.faulted |= failed
@@ -203,6 +212,7 @@ class Workers:
             self.failed_fills.add(load.req_id)
             expected_invalid |= set(load.block_ids[min(u.lo for u in load.units) // BLOCK:])
         assert invalid == expected_invalid, "the invalid blocks are not those of refused and failed fills"
+        assert refill == {load.req_id for load in bad_fills}, "the requests planned again are not those of failed fills"
         late = set() if self.settled else {r for r in finished if self.rng.random() < 0.3}
         report, self.held = (finished - late) | self.held, late
         for req_id in report:
@@ -216,7 +226,8 @@ class Workers:
             sampled_token_ids=[[7] if done else [] for done in prompt_done],
             kv_connector_output=KVConnectorOutput(
                 finished_recving=report or None, invalid_block_ids=invalid,
-                kv_connector_worker_meta=GraphChunkWorkerMeta(min(self.done_before), frozenset(failed))))
+                kv_connector_worker_meta=GraphChunkWorkerMeta(min(self.done_before), frozenset(failed),
+                                                              frozenset(refill))))
 
     @staticmethod
     def copies_hold(engine, load) -> bool:
@@ -245,12 +256,17 @@ class Workers:
 
     def check_reads(self, engine, req_id, chunked, block_ids, start) -> None:
         """Before vLLM's forward of a segmented request whose context is computed (from graphchunk's
-        fills or vLLM's prefix cache), the first time it runs after its context was (re)filled:
-        every context token holds its semantics' KV, else the request is noted (``bad_reads``)."""
-        if self.last.get(req_id) == start:
-            return  # it continues from its last step: its context was checked then
-        if not all(self.holds(engine, chunked, block_ids, t) for t in range(chunked.seg.layout.context_len)):
-            self.bad_reads[req_id] = self.bad_reads.get(req_id, 0) + 1
+        fills or vLLM's prefix cache): every context token holds its semantics' KV (checked the
+        first time it runs after its context was (re)filled; a step that continues from the last
+        one reads what that one read), else the step is noted (``bad_reads``, ``bad_steps``)."""
+        if self.last.get(req_id) != start:
+            if all(self.holds(engine, chunked, block_ids, t) for t in range(chunked.seg.layout.context_len)):
+                self.tainted.discard(req_id)
+            else:
+                self.tainted.add(req_id)
+                self.bad_reads[req_id] = self.bad_reads.get(req_id, 0) + 1
+        if req_id in self.tainted:
+            self.bad_steps.add((self.step_no, req_id))
 
     def forward(self, engine, so, scheduler):
         """vLLM's own forward: the scheduled tokens' KV, after the fills; never a segmented request's
@@ -277,11 +293,30 @@ class Workers:
 
 
 def accounting(scheduler) -> tuple[int, list, set]:
-    """vLLM's side of what requests give back: its free KV blocks, the requests it still holds
-    (with their status), and those whose load it still waits for."""
-    return (scheduler.kv_cache_manager.block_pool.get_num_free_blocks(),
+    """vLLM's side of what requests give back: the KV blocks no request holds (free, or freed and
+    returned to vLLM's pool once the step in flight is done: its deferred frees under asynchronous
+    scheduling), the requests it still holds (with their status), and those whose load it still
+    waits for."""
+    manager = scheduler.kv_cache_manager
+    held = {block for req_id in scheduler.requests for block in manager.get_block_ids(req_id)[0]}
+    return (KV_BLOCKS - 1 - len(held) if check_blocks(scheduler) else -1,
             [(r.request_id, r.status) for r in scheduler.requests.values()],
             set(scheduler.finished_recving_kv_req_ids))
+
+
+def check_blocks(scheduler) -> bool:
+    """vLLM's block accounting holds: each block's reference count is the number of requests vLLM
+    still holds that hold it (a block shared through its prefix cache counts each) plus its
+    deferred frees, and vLLM's free queue holds exactly the blocks counted by nobody."""
+    manager = scheduler.kv_cache_manager
+    counts = collections.Counter(block for req_id in scheduler.requests for block in manager.get_block_ids(req_id)[0])
+    counts.update(block.block_id for _, blocks in scheduler.deferred_frees for block in blocks)
+    pool = manager.block_pool
+    wrong = {block.block_id: (block.ref_cnt, counts[block.block_id]) for block in pool.blocks[1:]
+             if block.ref_cnt != counts[block.block_id]}
+    assert not wrong, f"vLLM's blocks (reference count, holders + deferred frees): {wrong}"
+    assert pool.get_num_free_blocks() == KV_BLOCKS - 1 - len(counts), "vLLM's free queue"
+    return True
 
 
 def make_vllm_scheduler(smollm2_path, gc: dict, asynchronous: bool = False):
@@ -299,6 +334,8 @@ def make_vllm_scheduler(smollm2_path, gc: dict, asynchronous: bool = False):
                                          is_encoder_decoder=False, enable_chunked_prefill=True),
         kv_transfer_config=connector_config(None), additional_config={"graphchunk": gc})
     config.cache_config.num_gpu_blocks = KV_BLOCKS
+    # As on a GPU: vLLM's CPU platform turns asynchronous scheduling off when the config is built.
+    config.scheduler_config.async_scheduling = asynchronous
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=16, dtype=torch.float32)
     kv_cache_config = KVCacheConfig(num_blocks=KV_BLOCKS, kv_cache_tensors=[],
                                     kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)])
@@ -307,6 +344,7 @@ def make_vllm_scheduler(smollm2_path, gc: dict, asynchronous: bool = False):
     if asynchronous:
         from vllm.v1.core.sched.async_scheduler import AsyncScheduler as Scheduler  # noqa: N814
     scheduler = Scheduler(config, kv_cache_config, StructuredOutputManager(config), block_size=BLOCK)
+    assert scheduler.defer_block_free == asynchronous  # vLLM's deferred frees, as async_scheduling has them
     # As the workers tell it: blend_prefix tokenized by the model's tokenizer (kv_binding's own function).
     space = KeySpace("m", "f32", blend_prefix=blend_prefix_tokens(model, gc.get("blend_prefix", "")))
     handshake = PoolHandshake(KV_BLOCKS, POOL_BLOCKS, BLOCK, space, None, None)
@@ -390,6 +428,10 @@ class Steps:
         self.finished: dict[str, object] = {}
         """Requests vLLM reported finished, with their ``FinishReason``."""
         self.aborted: set[str] = set()
+        self.delivered: dict[str, list[int]] = {}
+        """The tokens vLLM delivered to each request."""
+        self.delivered_wrong: dict[str, int] = {}
+        """Tokens vLLM delivered from a forward that read context KV not the request's semantics'."""
 
     def abort(self, req_id: str) -> None:
         """The client goes away (vLLM's ``finish_requests``, as the API server calls it)."""
@@ -398,23 +440,28 @@ class Steps:
         self.scheduler.finish_requests([req_id], RequestStatus.FINISHED_ABORTED)
         self.aborted.add(req_id)
 
-    def step(self):
+    def step(self, between=None):
+        """One step; ``between(so)``, if given, runs after the workers executed it and before
+        vLLM processes any output (where vLLM's engine core processes aborts)."""
         so = self.scheduler.schedule()
-        self.queue.append((so, self.workers.step(so, self.scheduler)))
+        self.queue.append((so, self.workers.step(so, self.scheduler), self.workers.step_no))
+        if between is not None:
+            between(so)
         if len(self.queue) >= self.depth or not so.total_num_scheduled_tokens:
             self.flush(keep=0 if not so.total_num_scheduled_tokens else self.depth - 1)
         return so
 
     def flush(self, keep: int = 0):
         while len(self.queue) > keep:
-            for outputs in self.scheduler.update_from_output(*self.queue.pop(0)).values():
+            so, output, step_no = self.queue.pop(0)
+            for outputs in self.scheduler.update_from_output(so, output).values():
                 for out in outputs.outputs:
+                    self.delivered.setdefault(out.request_id, []).extend(out.new_token_ids)
+                    if out.new_token_ids and (step_no, out.request_id) in self.workers.bad_steps:
+                        self.delivered_wrong[out.request_id] = self.delivered_wrong.get(out.request_id, 0) + 1
                     if out.finish_reason is not None:
                         self.finished[out.request_id] = out.finish_reason
 
     def served_wrong(self) -> dict[str, int]:
-        """Requests that read context KV not their semantics' and were not failed: served wrong."""
-        from vllm.v1.engine import FinishReason
-
-        return {r: n for r, n in self.workers.bad_reads.items()
-                if self.finished.get(r) != FinishReason.ERROR and r not in self.aborted}
+        """Requests vLLM delivered a token computed over context KV not their semantics' (and how many)."""
+        return dict(self.delivered_wrong)

@@ -13,7 +13,7 @@ import torch
 from graphchunk.cache.keys import KeySpace
 from graphchunk.config import ConfigError
 from graphchunk.engine.connector import (KV_CONNECTOR, GraphChunkHandshake, GraphChunkMetadata, GraphChunkWorkerMeta,
-                                         connector_config, work_of)
+                                         connector_config, graphchunk_connector, work_of, worker_meta_of)
 from graphchunk.engine.context_scheduler import PoolHandshake, StepWork
 from graphchunk.engine.kv_events import event_blocks
 from graphchunk.engine.frontend import BOUNDARIES_ARG, SALT_ARG, kv_salt
@@ -207,6 +207,28 @@ def test_work_is_found_alone_or_inside_multiconnector_metadata():
     assert work_of(None) == StepWork()
 
 
+def test_the_workers_report_and_the_connector_are_found_alone_or_inside_multiconnector(make_scheduler):
+    """What the scheduler's wrapper reads before vLLM processes a step's output (``fill_retry.py``):
+    graphchunk's part of MultiConnector's worker report (first, as graphchunk's connector is), and
+    graphchunk's connector as MultiConnector's first child; nothing for other connectors."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiKVConnectorWorkerMetadata
+    from vllm.v1.outputs import KVConnectorOutput
+
+    meta = GraphChunkWorkerMeta(3, frozenset({5}), frozenset({"r"}))
+    assert worker_meta_of(KVConnectorOutput(kv_connector_worker_meta=meta)) is meta
+    multi = MultiKVConnectorWorkerMetadata(metadata=(meta, None))
+    assert worker_meta_of(KVConnectorOutput(kv_connector_worker_meta=multi)) is meta
+    assert worker_meta_of(KVConnectorOutput()) is None
+    assert meta.aggregate(GraphChunkWorkerMeta(2, frozenset(), frozenset({"s"}))) == \
+        GraphChunkWorkerMeta(2, frozenset({5}), frozenset({"r", "s"}))
+    scheduler, _ = make_scheduler()
+    ours = scheduler.connector
+    assert graphchunk_connector(ours) is ours and ours.requires_kv_delivery
+    assert graphchunk_connector(SimpleNamespace(sub_connectors=[ours, object()])) is ours
+    assert graphchunk_connector(SimpleNamespace(sub_connectors=[object(), ours])) is None
+    assert graphchunk_connector(None) is None
+
+
 def test_connector_config_adds_graphchunks_connector_or_refuses_one_without_it():
     from vllm.config import KVTransferConfig
 
@@ -218,8 +240,8 @@ def test_connector_config_adds_graphchunks_connector_or_refuses_one_without_it()
     assert connector_config(multi) is multi
     with pytest.raises(ConfigError, match="--kv-transfer-config names 'ExampleConnector' without graphchunk"):
         connector_config(KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both"))
-    # graphchunk fails a request whose fill is wrong through vLLM's KV-load-failure path: 'recompute'
-    # would compute its context as an ordinary causal prompt instead
+    # graphchunk fails a request it refuses through vLLM's KV-load-failure path: 'recompute' would
+    # compute its context as an ordinary causal prompt instead
     with pytest.raises(ConfigError, match="kv_load_failure_policy='recompute'"):
         connector_config(KVTransferConfig(kv_connector=KV_CONNECTOR, kv_role="kv_consumer",
                                           kv_load_failure_policy="recompute"))

@@ -443,7 +443,7 @@ def test_generate_keywords_and_precedence(tokenizer):
     llm = object.__new__(GraphChunkLLM)
     llm.tokenizer = tokenizer
     calls = []
-    llm.llm = SimpleNamespace(generate=lambda inputs, params, use_tqdm: calls.append((inputs, params)))
+    llm.llm = SimpleNamespace(generate=lambda inputs, params, use_tqdm: calls.append((inputs, params)) or [])
     shared = SamplingParams(extra_args={MODE_ARG: "isolated", "other": 1})
     prompts = ["plain text", RagPrompt("S", ["a", "b"], "q?"),
                RagPrompt("S", ["a"], "q?", extra={RECOMPUTE_ARG: "legolink", BOUNDARIES_ARG: [9]})]
@@ -458,6 +458,26 @@ def test_generate_keywords_and_precedence(tokenizer):
     calls.clear()
     llm.generate("plain text", shared)
     assert calls[0][1][0] is shared  # no keywords: the params go through as given
+
+
+def test_a_failed_request_raises_holding_every_output(tokenizer):
+    """GraphChunkLLM.generate and chat raise RequestFailed when a request finished with vLLM's
+    finish reason 'error', naming it; the call's outputs ride on the exception."""
+    from graphchunk.llm import GraphChunkLLM, RequestFailed
+
+    def output(req_id, reason):
+        return SimpleNamespace(request_id=req_id, outputs=[SimpleNamespace(finish_reason=reason)])
+
+    outputs = [output("0", "length"), output("1", "error")]
+    llm = object.__new__(GraphChunkLLM)
+    llm.tokenizer = tokenizer
+    llm.llm = SimpleNamespace(generate=lambda *args, **kwargs: outputs, chat=lambda *args, **kwargs: outputs)
+    for call in (lambda: llm.generate(["a", "b"]), lambda: llm.chat([{"role": "user", "content": "a"}])):
+        with pytest.raises(RequestFailed, match=r"1 of 2 requests failed \(finish reason 'error'\): \['1'\]") as info:
+            call()
+        assert info.value.outputs is outputs
+    outputs[1] = output("1", "stop")
+    assert llm.generate(["a", "b"]) is outputs
 
 
 DEFAULT_CONFIG = GraphChunkConfig(max_chunks=4, max_chunk_len=64)

@@ -20,9 +20,10 @@ and loads arrive late at random. After every step:
 
 At the end every request has finished (scheduled or refused, none waits forever), vLLM's own
 accounting is back where it started (free KV blocks, no request held, no load waited for:
-``schedule_harness.accounting``), every request whose forward read context KV that was not its
-semantics' ended in an error (none served), no reference is held and no block leaked, and the
-stream evicted, hit and missed. Half as many seeds again run under vLLM's asynchronous
+``schedule_harness.accounting``), no token computed by a forward that read context KV that was
+not its request's semantics' was delivered, no request failed that graphchunk did not refuse
+(a request whose fill failed its check is planned again), no reference is held and no block
+leaked, and the stream evicted, hit and missed. Half as many seeds again run under vLLM's asynchronous
 scheduling (``AsyncScheduler``: the next step is scheduled before the workers' output of the last
 one arrives). A failing seed is in the test id: ``pytest tests/test_schedule_random.py -k
 'seed17'`` replays it; ``GRAPHCHUNK_SCHEDULE_SEEDS=200`` runs more.
@@ -36,7 +37,7 @@ from types import SimpleNamespace
 import pytest
 
 from graphchunk.engine.frontend import chunk_request
-from schedule_harness import STEPS, Stream, Steps, Workers, accounting
+from schedule_harness import STEPS, Stream, Steps, Workers, accounting, check_blocks
 
 SEEDS = int(os.environ.get("GRAPHCHUNK_SCHEDULE_SEEDS", 24))
 PREFIX = "Here is a document.\n\n"
@@ -47,8 +48,31 @@ STREAMS = [pytest.param(s, False, id=f"seed{s}") for s in range(SEEDS)] + \
     [pytest.param(s, True, id=f"async-seed{s}") for s in range(SEEDS // 2)]
 
 
-@pytest.mark.parametrize("seed, asynchronous", STREAMS)
-def test_random_request_streams_fill_exactly_what_they_planned(vllm_scheduler, seed, asynchronous):
+ABORT_STATES = ("waiting", "loading", "running", "preempted", "in_flight")
+"""Where a request is when the client goes away: waiting (never scheduled, or back in the queue),
+waiting for its misses (vLLM's WAITING_FOR_REMOTE_KVS), running, preempted, and scheduled in a step
+the workers have executed whose output vLLM has not processed yet (where vLLM's engine core
+processes aborts)."""
+
+
+def abort_candidates(scheduler) -> dict[str, list[str]]:
+    """The live requests by state (``ABORT_STATES`` but ``in_flight``)."""
+    from vllm.v1.request import RequestStatus
+
+    states = {RequestStatus.WAITING: "waiting", RequestStatus.WAITING_FOR_REMOTE_KVS: "loading",
+              RequestStatus.RUNNING: "running", RequestStatus.PREEMPTED: "preempted"}
+    found = {state: [] for state in ABORT_STATES}
+    for request in scheduler.requests.values():
+        if not request.is_finished() and request.status in states:
+            found[states[request.status]].append(request.request_id)
+    return found
+
+
+def run_stream(vllm_scheduler, seed: int, asynchronous: bool) -> dict[str, int]:
+    """One random stream (module docstring), its checks made; returns how many aborts landed in
+    each state (``ABORT_STATES``)."""
+    from vllm.v1.engine import FinishReason
+
     rng = random.Random(seed)
     # Blend requests whose misses cost more than their prefill: vLLM's full prefill on odd seeds
     # (their entries computed alone for later requests, or taken from that prefill on seeds 1 mod 4),
@@ -57,11 +81,28 @@ def test_random_request_streams_fill_exactly_what_they_planned(vllm_scheduler, s
                                                   blend_entries="context" if seed % 4 == 1 else "alone",
                                                   blend_prefix=PREFIX if seed % 3 == 2 else "")
     config = scheduler.connector._config
-    pool = scheduler.connector._context().pool
+    context = scheduler.connector._context()
+    pool = context.pool
     workers, stream = Workers(config, handshake, rng), Stream(rng, config, hasher)
     steps = Steps(scheduler, workers, asynchronous)
     idle = accounting(scheduler)
     added = []
+    aborts = dict.fromkeys(ABORT_STATES, 0)
+
+    def abort(req_id: str, state: str) -> None:
+        steps.abort(req_id)
+        aborts[state] += 1
+        # What the request held is given back, or still accounted for, at once: vLLM's blocks, and
+        # graphchunk's plans (only for requests vLLM still holds) and pool references.
+        check_blocks(scheduler)
+        assert set(context._requests) <= set(scheduler.requests), "a plan outlived its request"
+        pool.check_invariants()
+
+    def abort_in_flight(so) -> None:
+        live = [r for r in so.num_scheduled_tokens if not scheduler.requests[r].is_finished()]
+        if live and rng.random() < 0.04:
+            abort(rng.choice(live), "in_flight")
+
     for step in range(STEPS * 3):
         if step < STEPS:
             for _ in range(rng.choice([0, 0, 1, 1, 2, 4])):
@@ -70,11 +111,13 @@ def test_random_request_streams_fill_exactly_what_they_planned(vllm_scheduler, s
                 scheduler.add_request(request)
             if rng.random() < 0.03:  # a bad entry, as a lifetime bug would leave
                 workers.inject(pool)
-        live = [r for r in scheduler.requests.values() if not r.is_finished()]
-        if live and rng.random() < 0.08:  # in any state: waiting, waiting for misses, running, between steps
-            steps.abort(rng.choice(live).request_id)
-        steps.step()
+        states = [(state, ids) for state, ids in abort_candidates(scheduler).items() if ids]
+        if states and rng.random() < 0.08:  # a state drawn first: rare states are reached too
+            state, ids = rng.choice(states)
+            abort(rng.choice(ids), state)
+        steps.step(between=abort_in_flight)
         pool.check_invariants()
+        check_blocks(scheduler)
         if step >= STEPS and not scheduler.has_unfinished_requests():
             break
     steps.flush()
@@ -85,11 +128,31 @@ def test_random_request_streams_fill_exactly_what_they_planned(vllm_scheduler, s
     steps.step()
     steps.flush()
     assert accounting(scheduler) == idle, "vLLM's KV blocks or requests were not all given back"
-    assert not steps.served_wrong(), "a request read context KV that no fill checked, and was not failed"
+    assert not steps.served_wrong(), "a token computed over context KV that no fill checked was delivered"
+    errors = [r for r, reason in steps.finished.items() if reason == FinishReason.ERROR]
+    assert len(errors) == context.metrics.requests_failed, f"requests failed that graphchunk did not refuse: {errors}"
     assert (pool.metrics.pool_refs_held, pool.metrics.pool_blocks_leaked) == (0, 0)
     assert all(not engine.loads and not engine.runner.pending_tokens for engine in workers.engines)
     metrics = workers.engines[0].metrics
     assert metrics.hits and metrics.misses and len(added) > 20
+    return aborts
+
+
+@pytest.mark.parametrize("seed, asynchronous", STREAMS)
+def test_random_request_streams_fill_exactly_what_they_planned(vllm_scheduler, seed, asynchronous):
+    aborts = run_stream(vllm_scheduler, seed, asynchronous)
+    print(f"{'async' if asynchronous else 'sync'} seed {seed}: aborts by state {aborts}")
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_aborts_land_in_every_state(vllm_scheduler, asynchronous):
+    """Issue 63, point 4: across the first four seeds of each scheduling mode, requests are aborted
+    in each of the five states (``ABORT_STATES``); the per-seed counts are printed (``-s``)."""
+    counts = {seed: run_stream(vllm_scheduler, seed, asynchronous) for seed in range(4)}
+    for seed, aborts in counts.items():
+        print(f"{'async' if asynchronous else 'sync'} seed {seed}: aborts by state {aborts}")
+    missing = [state for state in ABORT_STATES if not sum(aborts[state] for aborts in counts.values())]
+    assert not missing, f"no abort landed in {missing}: {counts}"
 
 
 def test_the_streams_exercise_pressure(vllm_scheduler):

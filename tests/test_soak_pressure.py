@@ -9,8 +9,8 @@ text, bodies batching 2-4 prompts, tenant cache_salts, client disconnects (bodie
 other request carries among them, closed while their misses are computed), and fill failures
 injected by a worker that poisons a pool entry on every 5th step that copies from the pool
 (``perf/soak/fill_faults.py``). Asserts every completed prompt equals its HF reference token for
-token (isolated: the isolated oracle; blend at ratio 1: the plain causal forward), the only
-requests that failed are those whose copy read a poisoned entry (every failed copy found the
+token (isolated: the isolated oracle; blend at ratio 1: the plain causal forward), no request
+failed (a request whose copy read a poisoned entry is planned again; every failed copy found the
 poison, no other copy failed) and the server logged no other error, each poisoned entry left the
 pool's index, the pool evicted, its references and blocks and vLLM's KV cache are all given back
 once the engine is idle, nothing is left waiting, and the server answered correctly afterwards. vLLM's preemptions are counted in the report, not asserted: how
@@ -85,14 +85,16 @@ def test_every_completed_prompt_matches_its_reference(mode):
     assert mode["wrong"] == 0, mode["check"]["wrong_samples"]
     # Every completed body's prompts were checked (and the final request's).
     assert mode["checked"] == mode["completed_prompts"] + 1, mode["check"]
-    assert mode["checked"] >= REQUESTS // 3, mode["check"]  # a third of the bodies are cancelled or fail
+    assert mode["checked"] >= REQUESTS // 3, mode["check"]  # a third of the bodies are cancelled
     assert mode["final_request"]["verdict"] in ("equal", "tie"), mode["final_request"]
 
 
-def test_only_requests_that_read_a_poisoned_entry_failed(mode):
+def test_no_request_failed_those_that_read_a_poisoned_entry_were_planned_again(mode):
+    """Issue 63: a failed fill costs time, never an error (before, 4 and 12 of 500 bodies failed)."""
     faults = mode["fill_faults"]
     assert faults["copies_failed_unexplained"] == 0, (faults, _log_tail(mode))
-    assert mode["errors"] <= faults["copies_failed"], (mode["error_samples"], mode["server_died"], faults)
+    assert mode["errors"] == 0 and mode["requests_failed"] == 0, (mode["error_samples"], mode["server_died"], faults)
+    assert mode["fills_retried"] >= 1, faults
     assert mode["server_error_lines"]["count"] == 0, mode["server_error_lines"]
     assert mode["invariants"]["server_alive_after"], (mode["final_request"], _log_tail(mode))
 

@@ -26,13 +26,14 @@ block): a job stamps its entry's blocks with the entry's epoch (``PoolEntry.epoc
 writing them, and a copy (``UnitCopy.epoch``) or a job reading another entry (``MissJob.reads``)
 runs only where the blocks still carry the planned epoch. A request whose copy would read
 anything else is not filled: its own blocks from the first affected one on are reported invalid
-(``take_invalid``; vLLM fails the request through its KV-load-failure path, and the scheduler's
-connector evicts the blocks from vLLM's prefix cache whatever state their request is in), and a
-job whose input is wrong stamps its entry ``POISONED``, so that every copy from it fails the same
-way. Either way the entry is reported (``take_failed``; a poisoned job's input entry too) and
-leaves the pool's index at once: the next request computes it again. With the scheduler's lifetimes right
-(``engine/context_scheduler.py``) this never fires; it makes a lifetime bug an error instead of
-a wrong answer that vLLM's prefix cache would keep serving, and one error instead of an outage.
+(``take_invalid``: the scheduler's connector evicts them from vLLM's prefix cache whatever state
+their request is in) and the request is reported for a new plan (``take_refill``: the scheduler's
+connector puts it back in vLLM's queue, ``engine/fill_retry.py``), and a job whose input is wrong
+stamps its entry ``POISONED``, so that every copy from it fails the same way. Either way the
+entry is reported (``take_failed``; a poisoned job's input entry too) and leaves the pool's index
+at once: the request's next plan computes it again. With the scheduler's lifetimes right
+(``engine/context_scheduler.py``) this never fires; it makes a lifetime bug a slower answer
+instead of a wrong one that vLLM's prefix cache would keep serving.
 """
 from __future__ import annotations
 
@@ -82,6 +83,8 @@ class ContextRunner:
         """Request blocks a failed copy left invalid, not yet reported (``take_invalid``)."""
         self.failed: set[int] = set()
         """Epochs of entries found not to hold what was planned, not yet reported (``take_failed``)."""
+        self.refill: set[str] = set()
+        """Requests a copy failed its check for, not yet reported (``take_refill``)."""
 
     @property
     def pending_tokens(self) -> int:
@@ -208,6 +211,12 @@ class ContextRunner:
         invalid, self.invalid = self.invalid, set()
         return invalid
 
+    def take_refill(self) -> set[str]:
+        """Requests whose context a copy could not fill as planned since the last call: the
+        scheduler's connector plans them again (``engine/fill_retry.py``)."""
+        refill, self.refill = self.refill, set()
+        return refill
+
     def take_failed(self) -> set[int]:
         """Epochs of the entries found bad since the last call: the scheduler drops them from the
         pool's index (``ContextPlanner.fail_entries``), so that the next request computes them again."""
@@ -258,10 +267,12 @@ class ContextRunner:
             return True
         first = min(unit.lo for unit in units) // self.block_size
         self.failed.update(unit.epoch for unit in bad)
-        self.fail(prompt.block_ids[first:], "graphchunk: a context fill would copy pool blocks %s that do not hold "
-                  "the entries it was planned from (epochs %s, found %s); the request fails instead of reading them"
-                  % ([list(u.entry_blocks) for u in bad], [u.epoch for u in bad],
-                     [[self.epochs.get(b) for b in u.entry_blocks] for u in bad]))
+        self.refill.add(prompt.req_id)
+        self.invalid.update(prompt.block_ids[first:])
+        logger.warning("graphchunk: a context fill of request %s would copy pool blocks %s that do not hold the entries "
+                       "it was planned from (epochs %s, found %s); it is planned again instead of reading them",
+                       prompt.req_id, [list(u.entry_blocks) for u in bad], [u.epoch for u in bad],
+                       [[self.epochs.get(b) for b in u.entry_blocks] for u in bad])
         return False
 
     def fail(self, block_ids, why: str) -> None:

@@ -119,6 +119,7 @@ GC = "graphchunk/engine/graph_config.py"
 SP = "graphchunk/engine/step_plan.py"
 CE = "graphchunk/engine/chunk_engine.py"
 CN = "graphchunk/engine/connector.py"
+FR = "graphchunk/engine/fill_retry.py"
 FE = "graphchunk/engine/frontend.py"
 BS = "graphchunk/engine/blend_support.py"
 ROPE = "graphchunk/blend/rope.py"
@@ -305,8 +306,32 @@ def _entries() -> tuple[Name, ...]:
           "lose their prefix-cache hashes whatever state their request is in (the same call vLLM's "
           "_handle_invalid_blocks makes, for running requests only)", ("block_ids",)))
     add(n("vllm.v1.core.sched.scheduler", "Scheduler._handle_invalid_blocks", "attribute", CN,
-          "what fails a request whose fill failed (get_block_ids_with_load_errors) and evicts its blocks from "
+          "what fails a request graphchunk refused (get_block_ids_with_load_errors) and evicts its blocks from "
           "the prefix cache"))
+    RETRY = ("a request whose context fill failed its check goes back to vLLM's queue before vLLM processes the "
+             "step's output (fill_retry.py): the connector interface hears of a step's output only after vLLM "
+             "delivered its tokens, and vLLM's own kv_load_failure_policy 'recompute' computes the context as an "
+             "ordinary causal prompt")
+    add(n("vllm.v1.core.sched.scheduler", "Scheduler", "import", PL, RETRY))
+    add(n("vllm.v1.core.sched.scheduler", "Scheduler.update_from_output", "patch", PL, RETRY,
+          ("scheduler_output", "model_runner_output"), ("vllm.v1.engine.core:EngineCore",)))
+    add(n("vllm.v1.core.sched.scheduler", "Scheduler.connector", "attribute", PL, RETRY))
+    for attr in ("requests", "running", "kv_holding_waiting", "failed_recving_kv_req_ids", "kv_cache_manager"):
+        add(n("vllm.v1.core.sched.scheduler", f"Scheduler.{attr}", "attribute", FR, RETRY))
+    add(n("vllm.v1.core.sched.scheduler", "Scheduler._preempt_request", "call", FR, RETRY,
+          ("request", "timestamp", "drop_stale_output")))
+    add(n("vllm.v1.request", "RequestStatus", "import", FR, RETRY))
+    for attr in ("RUNNING", "WAITING_FOR_REMOTE_KVS"):
+        add(n("vllm.v1.request", f"RequestStatus.{attr}", "attribute", FR, RETRY))
+    for attr in ("status", "num_computed_tokens", "is_finished"):
+        add(n("vllm.v1.request", f"Request.{attr}", "attribute", FR, RETRY))
+    add(n(KVC, "KVConnectorBase_V1.requires_kv_delivery", "attribute", CN, "overridden (a property): a request "
+          "preempted between a step and its output drops that output, which may have read a failed fill",
+          public=True))
+    add(n("vllm.distributed.kv_transfer.kv_connector.v1.multi_connector", "MultiConnector.sub_connectors",
+          "attribute", CN, RETRY + " (graphchunk's connector inside MultiConnector)"))
+    add(n("vllm.distributed.kv_transfer.kv_connector.v1.multi_connector", "MultiKVConnectorWorkerMetadata.metadata",
+          "field", CN, RETRY + " (graphchunk's workers' report inside MultiConnector's)"))
     add(n("vllm.distributed.kv_transfer.kv_connector.factory", "KVConnectorFactory", "import", CN, CONNECTOR))
     add(n("vllm.distributed.kv_transfer.kv_connector.factory", "KVConnectorFactory.register_connector", "call",
           CN, CONNECTOR + " (by name, so that MultiConnector's children may name it)",
@@ -675,8 +700,9 @@ def _entries() -> tuple[Name, ...]:
     add(n("vllm.v1.core.sched.output", "SchedulerOutput.preempted_req_ids", "field", "tests/test_schedule_random.py",
           "", scope=T))
     add(n("vllm.v1.request", "Request.all_token_ids", "attribute", RS, "", scope=T))
-    add(n("vllm.v1.core.kv_cache_manager", "KVCacheManager.get_block_ids", "call", RS, "", ("request_id",),
-          scope=T))
+    add(n("vllm.v1.core.kv_cache_manager", "KVCacheManager.get_block_ids", "call",
+          f"graphchunk/engine/fill_retry.py, {RS}", "which running or loading requests hold a failed fill's blocks "
+          "(fill_retry.py)", ("request_id",)))
     # vLLM's accounting of what requests give back (schedule_harness.accounting), and how they ended
     add(n("vllm.v1.core.block_pool", "BlockPool.get_num_free_blocks", "call", RS, "", (), scope=T))
     add(n("vllm.v1.core.kv_cache_manager", "KVCacheManager.block_pool", "attribute", RS, "", scope=T))

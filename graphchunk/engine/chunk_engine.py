@@ -22,8 +22,10 @@ and the segmented requests the worker holds. vLLM's hooks call it in step order:
                       has just prefilled (``ContextRunner.capture``);
 ``fill_context``      (``_prepare_inputs``, after vLLM updated and zeroed its blocks) fills the
                       context of this step's all-hit requests from the chunk pool; a fill that fails
-                      its check, or that the scheduler refused, leaves the request's blocks in
-                      ``take_invalid`` (the connector reports them: vLLM fails the request);
+                      its check leaves the request's blocks in ``take_invalid`` and the request in
+                      ``take_refill`` (the connector reports both: the request is planned again,
+                      ``fill_retry.py``); one the scheduler refused leaves its blocks in
+                      ``take_invalid`` (vLLM fails the request);
 ``rewrite_positions`` (after vLLM prepared the batch) gives isolated requests' question and
                       generated tokens their RoPE positions (DESIGN.md §2), in one add;
 ``count_step``        (``_determine_batch_execution_and_padding``) counts how vLLM ran a step with a
@@ -152,8 +154,9 @@ class ChunkEngine:
 
     def _complete_loads(self) -> None:
         """Fills the asynchronous loads whose jobs have all run, and reports every one of them
-        loaded, filled or not: a fill that failed its check has left the request's blocks invalid
-        (``take_invalid``, the same step's output), so vLLM fails the request and then frees it."""
+        loaded, filled or not: a fill that failed its check has left the request in ``take_refill``
+        (the same step's output), so the request is planned again (``fill_retry.py``): vLLM frees
+        its blocks once the load is reported."""
         done = [load for load in self.loads if load.needs < self.runner.done_before]
         if not done:
             return
@@ -188,6 +191,10 @@ class ChunkEngine:
     def take_failed(self) -> set[int]:
         """Epochs of pool entries found bad since the last call (``ContextRunner.take_failed``)."""
         return self.runner.take_failed()
+
+    def take_refill(self) -> set[str]:
+        """Requests whose fill failed its check since the last call (``ContextRunner.take_refill``)."""
+        return self.runner.take_refill()
 
     def take_loaded(self) -> set[str]:
         loaded, self.loaded = self.loaded, set()

@@ -43,6 +43,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from graphchunk.config import ConfigError, GraphChunkConfig
+from graphchunk.engine import fill_retry
 from graphchunk.engine.context_scheduler import ContextScheduler, PoolHandshake, StepWork
 
 KV_CONNECTOR = "GraphChunkConnector"
@@ -65,9 +66,12 @@ class GraphChunkWorkerMeta(KVConnectorWorkerMetadata):
     """The worker's first unfinished job."""
     failed: frozenset[int] = frozenset()
     """Epochs of pool entries the worker found not holding what was planned (they leave the index)."""
+    refill: frozenset[str] = frozenset()
+    """Requests whose context fill failed its check (they are planned again: ``fill_retry.py``)."""
 
     def aggregate(self, other: "GraphChunkWorkerMeta") -> "GraphChunkWorkerMeta":
-        return GraphChunkWorkerMeta(min(self.done_before, other.done_before), self.failed | other.failed)
+        return GraphChunkWorkerMeta(min(self.done_before, other.done_before), self.failed | other.failed,
+                                    self.refill | other.refill)
 
 
 class _Worker:
@@ -114,6 +118,30 @@ class GraphChunkConnector(KVConnectorBase_V1):
     def bind_kv_cache_manager(self, kv_cache_manager) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
         self._prefix_cache = kv_cache_manager
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """True: a request vLLM preempts between a step and that step's output (asynchronous
+        scheduling) recomputes its in-flight token instead of delivering it, which vLLM does for a
+        connector that must deliver KV. A token is delivered only from a step whose output reported
+        its context filled as planned: the step that read a failed fill may be the one in flight
+        (``fill_retry.py``). Costs a preempted request one token, recomputed with the rest of it."""
+        return True
+
+    def before_output(self, scheduler, connector_output) -> None:
+        """Before vLLM's scheduler processes a step's output (graphchunk's plugin wraps
+        ``Scheduler.update_from_output``): every request that read a fill that failed its check goes
+        back to vLLM's queue, to be planned again (``fill_retry.py``). Costs nothing on a step that
+        reports no failed fill."""
+        meta = worker_meta_of(connector_output)
+        refill = meta.refill if meta is not None else ()
+        invalid = connector_output.invalid_block_ids
+        if not refill and not invalid:
+            return
+        context = self._context()
+        for request in fill_retry.readers(scheduler, refill, invalid):
+            if context.refill(request.request_id):
+                fill_retry.requeue(scheduler, request)
 
     def update_connector_output(self, connector_output) -> None:
         meta = connector_output.kv_connector_worker_meta
@@ -176,7 +204,9 @@ class GraphChunkConnector(KVConnectorBase_V1):
 
     def build_connector_worker_meta(self) -> GraphChunkWorkerMeta | None:
         engine = WORKER.engine
-        return GraphChunkWorkerMeta(engine.done_before, frozenset(engine.take_failed())) if engine is not None else None
+        if engine is None:
+            return None
+        return GraphChunkWorkerMeta(engine.done_before, frozenset(engine.take_failed()), frozenset(engine.take_refill()))
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         return
@@ -189,6 +219,24 @@ class GraphChunkConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         return
+
+
+def worker_meta_of(connector_output) -> GraphChunkWorkerMeta | None:
+    """graphchunk's workers' report in a step's connector output: its own, or its part of
+    ``MultiConnector``'s (graphchunk's connector comes first there)."""
+    meta = connector_output.kv_connector_worker_meta
+    if isinstance(meta, GraphChunkWorkerMeta):
+        return meta
+    parts = getattr(meta, "metadata", None)
+    return parts[0] if parts and isinstance(parts[0], GraphChunkWorkerMeta) else None
+
+
+def graphchunk_connector(connector) -> "GraphChunkConnector | None":
+    """graphchunk's connector among a scheduler's: itself, or ``MultiConnector``'s first child."""
+    if isinstance(connector, GraphChunkConnector):
+        return connector
+    children = getattr(connector, "sub_connectors", None)
+    return children[0] if children and isinstance(children[0], GraphChunkConnector) else None
 
 
 def work_of(kv_connector_metadata) -> StepWork:
@@ -214,9 +262,10 @@ def connector_config(kv_transfer_config):
         if kv_transfer_config.kv_load_failure_policy != "fail":
             raise ConfigError(
                 f"--kv-transfer-config sets kv_load_failure_policy={kv_transfer_config.kv_load_failure_policy!r}: "
-                f"graphchunk fails a request whose context fill does not read what it planned, through vLLM's "
-                f"KV-load-failure path, and vLLM's recompute would compute that context as an ordinary causal "
-                f"prompt instead (not the request's isolated or blend semantics); leave it at 'fail', vLLM's default")
+                f"graphchunk plans a request whose context fill fails its check again itself, and fails a request "
+                f"whose context it cannot load through vLLM's KV-load-failure path; vLLM's recompute would compute "
+                f"that context as an ordinary causal prompt instead (not the request's isolated or blend semantics); "
+                f"leave it at 'fail', vLLM's default")
         return kv_transfer_config
     raise ConfigError(
         f"--kv-transfer-config names {kv_transfer_config.kv_connector!r} without graphchunk's connector: a "

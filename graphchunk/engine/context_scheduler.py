@@ -45,6 +45,9 @@ Per segmented request (``ChunkRequest``, read once from what graphchunk's fronte
 ``reported``  the workers' first unfinished job: earlier jobs' entries become ready; entries the
               workers found bad (a job that read the wrong input, a copy that failed its check)
               leave the index at once (``entries_failed``): the next request computes them again.
+``refill``    (before vLLM processes a step's output, ``fill_retry.py``) a request whose context read
+              KV that failed its check is planned again when vLLM schedules it next, counted
+              (``fills_retried``); after ``MAX_FILL_RETRIES`` its next plan is refused instead.
 ``finished``  releases what a finished, aborted or preempted-and-dropped request still holds.
 ``take_events`` the pool's entries stored (ready) and removed since the last step, as vLLM's KV
               events (``kv_events.py``), which vLLM publishes on its KV-event stream
@@ -70,12 +73,12 @@ holds its entries until the workers can no longer run it late:
 Preemption needs nothing more: a preempted request holds no plan (its fill ran), and when vLLM
 schedules it again it is planned afresh from its new prefix hit. The workers check every copy
 against the entry's epoch anyway (``context_run.py``): should this ever be wrong, the request
-fails, its blocks lose their prefix-cache hashes (``connector.py``, ``_evict_invalid``) and the
-entry leaves the index.
+goes back to vLLM's queue and is planned again (``refill``), its blocks lose their prefix-cache
+hashes (``connector.py``, ``_evict_invalid``) and the entry leaves the index.
 
-A request whose context can never fit the pool, even with every other entry evicted, is refused:
-its load carries the reason, and the workers fail it through vLLM's KV-load-failure path instead
-of leaving it waiting for room that will never come.
+A request whose context can never fit the pool, even with every other entry evicted, is refused
+(``requests_failed``): its load carries the reason, and the workers fail it through vLLM's
+KV-load-failure path instead of leaving it waiting for room that will never come.
 
 A blend request the model cannot blend (``handshake.blend_refusal``, from the workers) and an
 ordinary prompt load nothing: vLLM computes their full prefill itself.
@@ -93,6 +96,9 @@ from graphchunk.engine.frontend import ChunkRequest, chunk_request, one_tenant
 from graphchunk.engine.kv_events import PoolEvents
 from graphchunk.log import logger
 from graphchunk.metrics import POOL_FIELDS, CacheMetrics, MetricsPublisher, engine_metrics_file
+
+MAX_FILL_RETRIES = 3
+"""Times a request whose context read KV that failed its check is planned again before it fails."""
 
 @dataclasses.dataclass(frozen=True)
 class PoolHandshake:
@@ -177,6 +183,8 @@ class _Request:
     """A blend request run as vLLM's full prefill (``ContextScheduler.prefill_instead``)."""
     filled: bool = False
     """Some of its context was sent to the workers to fill (blended KV, for a blend request)."""
+    retries: int = 0
+    """Times it was planned again after its context read KV that failed its check (``refill``)."""
 
 
 class ContextScheduler:
@@ -422,12 +430,31 @@ class ContextScheduler:
         if state is not None and state.waiting:
             self._drop_plan(state)
 
+    def refill(self, req_id: str) -> bool:
+        """Whether a request whose context read KV that failed its check goes back to vLLM's queue
+        (``fill_retry.py``), to be planned afresh when vLLM schedules it next (the bad entries
+        have left the index by then: ``reported`` comes with the same output). Not a refused
+        request: vLLM fails it. Past ``MAX_FILL_RETRIES`` its next plan is refused."""
+        state = self._requests.get(req_id)
+        if state is None:
+            return True
+        if state.refused is not None:
+            return False
+        state.retries += 1
+        self.metrics.fills_retried += 1
+        if state.retries > MAX_FILL_RETRIES:
+            state.refused = (f"graphchunk: request {req_id}'s context read pool entries that failed their check "
+                             f"{state.retries} times; it fails instead of being planned again (the server log names "
+                             f"the entries; this is a graphchunk bug, please report it)")
+        return True
+
     def finished(self, req_id: str) -> None:
         self._capturing.pop(req_id, None)
         self._leave_room(req_id)
         state = self._requests.pop(req_id, None)
         if state is not None:
             self._drop_plan(state)
+            self.metrics.requests_failed += state.refused is not None
         self._publish_if_idle()
 
     def reset(self) -> int:

@@ -2,8 +2,8 @@
 
 vLLM loads general plugins in every process; this one wraps ``InputProcessor.process_inputs``,
 the renderer's chat rendering for documents requests (``document_hooks``), for the OpenAI server ``GenerateBaseServing._with_kv_transfer_rejection_cleanup``,
-``VllmConfig._get_v2_model_runner_unsupported_features``, ``EngineArgs.create_engine_config`` and
-``EngineCore.preprocess_add_request`` (each idempotently), and every wrapper
+``VllmConfig._get_v2_model_runner_unsupported_features``, ``EngineArgs.create_engine_config``,
+``EngineCore.preprocess_add_request`` and ``Scheduler.update_from_output`` (each idempotently), and every wrapper
 acts only for engines whose worker is graphchunk's, so installing graphchunk changes nothing for
 other vLLM users.
 """
@@ -43,6 +43,31 @@ def register() -> None:
     _select_v1_model_runner()
     _check_config_before_start()
     _distinct_sibling_salts()
+    _retry_failed_fills()
+
+
+def _retry_failed_fills() -> None:
+    """Before vLLM's scheduler processes a step's output, graphchunk's connector puts the requests
+    that read a failed context fill back in vLLM's queue (``GraphChunkConnector.before_output``,
+    ``fill_retry.py``): vLLM's connector interface is told of a step's output only after vLLM has
+    delivered its tokens. Only for schedulers with graphchunk's connector."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from graphchunk.engine.connector import graphchunk_connector
+
+    original = Scheduler.update_from_output
+    if getattr(original, "_graphchunk", False):
+        return
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        connector = graphchunk_connector(getattr(self, "connector", None))
+        output = model_runner_output.kv_connector_output
+        if connector is not None and output is not None:
+            connector.before_output(self, output)
+        return original(self, scheduler_output, model_runner_output)
+
+    update_from_output._graphchunk = True
+    Scheduler.update_from_output = update_from_output
 
 
 def _distinct_sibling_salts() -> None:

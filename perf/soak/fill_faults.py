@@ -9,9 +9,10 @@ from the pool it first stamps the blocks of one entry that step copies ``POISONE
 worker's epoch map (``ContextRunner.epochs``), as a lifetime bug would leave them (the entry is
 drawn with ``$GRAPHCHUNK_SOAK_SEED``; only entries whose blocks hold their epoch, so that no job
 stamps over the poison). What the product must then do (``cache/context_run.py``): the copy fails
-its check, the request copying it fails through vLLM's KV-load-failure path and gives its blocks
-back, the entry leaves the pool's index (``entries_failed``) and the next request computes it
-again; a job that reads it poisons its own entry the same way. Injections stop once the file
+its check, the request copying it goes back to vLLM's queue and is planned again
+(``fills_retried``: ``engine/fill_retry.py``), the entry leaves the pool's index
+(``entries_failed``) and that new plan computes it again; a job that reads it poisons its own
+entry the same way. Injections stop once the file
 ``$GRAPHCHUNK_SOAK_FAULTS_OFF`` names exists. Each logs ``INJECTED`` with its epoch; the soak
 (``pressure.py --fail-fill-every``) counts them in the server log.
 """
