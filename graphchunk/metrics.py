@@ -110,7 +110,8 @@ class CacheMetrics:
     blend_requests_pending: int = _gauge("Blend-mode requests planned but not yet scheduled: waiting for their chunk "
                                          "misses to be computed or for a step's recompute budget")
     blend_full_prefills: int = _counter("Blend-mode requests run as vLLM's full prefill because their chunk misses and "
-                                        "recompute would cost at least as much (blend_misses='prefill')")
+                                        "recompute would cost at least as much (blend_misses='prefill'), or because "
+                                        "their context can never fit the chunk pool")
     blend_entries_captured: int = _counter("Blend pool entries filled from the full prefill that first carried their chunk "
                                            "(blend_entries='context') instead of computed alone")
     blend_recompute_deferrals: int = _counter("Times an all-hit blend-mode request was put off to a later step "

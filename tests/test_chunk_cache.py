@@ -214,6 +214,32 @@ def test_unit_larger_than_pool_surfaces():
                                         FakeDevice())
 
 
+@settings(max_examples=60, deadline=None)
+@given(sys_len=st.integers(0, 40), chunk_lens=st.lists(st.integers(1, 40), min_size=1, max_size=6),
+       repeat=st.booleans(), mode=st.sampled_from(["isolated", "blend"]), prefix_len=st.integers(0, 20))
+def test_context_blocks_are_the_blocks_a_plan_takes(sys_len, chunk_lens, repeat, mode, prefix_len):
+    """``context_blocks`` (what the API process refuses a context by) equals the pool blocks a plan
+    of the whole context takes on an empty pool, a repeated chunk counted once; a pool one block
+    smaller cannot hold it."""
+    from graphchunk.cache.context_plan import ContextPlanner, context_blocks
+
+    seg = make_prompt(sys_len, chunk_lens + chunk_lens[:1] * repeat)
+    if repeat:  # the repeated chunk: the same tokens as the first
+        ids, first = list(seg.token_ids), seg.bounds[1]
+        last = seg.bounds[-2]
+        ids[last[0]:last[1]] = ids[first[0]:first[1]]
+        seg = split_at(ids, [b for b, _ in seg.bounds[1:]], max_chunks=16, max_chunk_len=64)
+    space = KeySpace("m", "f32", blend_prefix=tuple(range(7, 7 + prefix_len)))
+    needed = context_blocks(seg, mode, BS, prefix_len)
+    pool = ChunkPool(200, BS, first_block_id=1000)
+    ContextPlanner(pool, space).plan(seg, None, mode, 0, seg.layout.context_len)
+    assert pool.num_blocks - len(pool._free) == needed
+    if needed > 1:
+        with pytest.raises(PoolExhausted):
+            ContextPlanner(ChunkPool(needed - 1, BS, first_block_id=1000), space).plan(seg, None, mode, 0,
+                                                                                       seg.layout.context_len)
+
+
 def test_split_forward_batches_respects_budget_and_order():
     seqs = [PseudoSeq(list(range(10)), np.arange(10), [0, 1, 2], 2), PseudoSeq([1, 2, 3], np.arange(3), [5], 0)]
     batches = split_forward_batches(seqs, 4)

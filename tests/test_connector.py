@@ -165,6 +165,18 @@ def test_a_full_pool_defers_a_request_an_abort_releases_its_plan_and_one_that_ne
     pool.check_invariants()
 
 
+def test_a_blend_request_that_never_fits_runs_as_vllms_full_prefill(make_scheduler):
+    """A question-policy blend request whose context cannot fit even the empty pool is not refused:
+    vLLM computes its full prefill (blend's target), counted in ``blend_full_prefills``."""
+    scheduler, hasher = make_scheduler(pool_blocks=8)
+    blend = request("a", SYS + C1 + C2 + Q, [40, 150, 280], hasher)  # 2 + 4 + 5 blocks
+    blend.sampling_params.extra_args.update({"graphchunk_mode": "blend", "graphchunk_recompute": "question"})
+    scheduler.add_request(blend)
+    so, work = step(scheduler, done_before=0)
+    assert so.num_scheduled_tokens == {"a": BUDGET} and not work.fills and not work.jobs
+    assert scheduler.connector._context().metrics.blend_full_prefills == 1
+
+
 def test_a_fill_holds_its_entries_until_the_step_is_sent_whatever_vllm_plans_after_it(make_scheduler):
     """One schedule() plans an all-hit request, then a request whose misses need room: the second
     must not evict what the first copies in this very step (the workers run a step's jobs before its

@@ -460,6 +460,34 @@ def test_generate_keywords_and_precedence(tokenizer):
     assert calls[0][1][0] is shared  # no keywords: the params go through as given
 
 
+def test_a_context_that_can_never_fit_the_pool_is_refused_once_its_size_is_known(tokenizer):
+    """Issue 63, point 3, in the API process: once the scheduler has published the chunk pool's
+    size, a context needing more blocks than the pool holds is a bad request naming the pool, the
+    context and the setting; a blend request of a ranking policy is not (it runs as vLLM's full
+    prefill); before the size is known nothing is refused."""
+    sizes = [None]
+    annotator = RequestAnnotator(GraphChunkConfig(max_chunks=8, max_chunk_len=64, mode="isolated"), tokenizer,
+                                 pool_size=lambda: sizes[0])
+    ids = list(range(1000, 1031)) + list(range(2000, 2016)) + [3000, 3001]  # sys 31, 8 chunks of 2, question
+
+    def req(**extra):
+        return SimpleNamespace(prompt_token_ids=ids, cache_salt=None, sampling_params=SamplingParams(
+            extra_args={BOUNDARIES_ARG: [31 + 2 * i for i in range(9)], **extra}))
+
+    annotator.annotate(req())  # the pool's size unknown yet: planned as usual
+    sizes[0] = (16, 32, 0)  # 1 + 8 x 2 = 17 blocks of 32 tokens needed
+    with pytest.raises(ValueError, match=r"this request's context \(47 tokens: a system prompt and 8 chunks\) needs "
+                                         r"17 blocks of graphchunk's chunk pool, which holds 16 blocks of 32 tokens; "
+                                         r"raise graphchunk.pool_tokens to at least 544"):
+        annotator.annotate(req())
+    annotator.annotate(req(**{MODE_ARG: "blend", RECOMPUTE_ARG: "question"}))  # full prefill instead
+    sizes[0] = (8, 32, 0)  # blend: 1 + 8 chunks computed after no prefix, a block each
+    with pytest.raises(ValueError, match="needs 9 blocks"):
+        annotator.annotate(req(**{MODE_ARG: "blend", RECOMPUTE_ARG: "legolink"}))
+    sizes[0] = (17, 32, 0)
+    annotator.annotate(req())
+
+
 def test_a_failed_request_raises_holding_every_output(tokenizer):
     """GraphChunkLLM.generate and chat raise RequestFailed when a request finished with vLLM's
     finish reason 'error', naming it; the call's outputs ride on the exception."""

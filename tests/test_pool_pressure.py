@@ -154,6 +154,37 @@ def test_a_fill_that_would_read_other_kv_is_planned_again_and_exact(small_pool_l
     assert stats["pool_refs_held"] == 0 and stats["pool_blocks_leaked"] == 0, stats
 
 
+def test_a_context_that_never_fits_the_pool_is_refused_before_it_is_queued_or_prefilled(small_pool_llm, oracle,
+                                                                                        paragraphs, tokenizer):
+    """Issue 63, point 3: 24 two-token chunks behind a 31-token system prompt need two pool blocks
+    each (an isolated chunk's entry starts at the sys prompt's partial last block): 49 blocks, more
+    than the pool's 33. The request is refused before vLLM queues it, naming the pool's size, the
+    context's and the setting (the server answers 400 for this error, as for every bad input); a
+    blend request of a ranking policy with the same context runs as vLLM's full prefill instead,
+    counted, and answers exactly as HF's causal forward (before: finish reason 'error', a 500)."""
+    from exactness import assert_matches_reference, blend_reference
+
+    llm = small_pool_llm
+    text = joined_sources(paragraphs, tokenizer, 7)
+    sys_ids = tokenizer.encode(text.text(40))[:31]
+    chunk_ids = tokenizer.encode(text.text(60))[:48]  # 24 chunks of two
+    ids = [*sys_ids, *chunk_ids, *tokenizer.encode(text.question(12))]
+    boundaries = [31 + 2 * i for i in range(25)]
+    prompt = {"prompt_token_ids": ids}
+    params = sampling()
+    params.extra_args = {"graphchunk_boundaries": boundaries}
+    with pytest.raises(ValueError, match=r"needs 49 blocks of graphchunk's chunk pool, which holds 33 blocks of 32 "
+                                         r"tokens; raise graphchunk.pool_tokens to at least 1568"):
+        llm.generate([prompt], params)
+    before = llm.stats()["blend_full_prefills"]
+    blend = params.clone()
+    blend.extra_args = {**blend.extra_args, "graphchunk_mode": "blend", "graphchunk_recompute": "question"}
+    (out,) = llm.generate([prompt], blend)
+    assert llm.stats()["blend_full_prefills"] == before + 1
+    seg = split_at(ids, boundaries, max_chunks=32, max_chunk_len=MAX_CHUNK_LEN)
+    assert_matches_reference(out, blend_reference(oracle, seg, "causal"), "a blend context that never fits")
+
+
 def test_skip_reading_prefix_cache_on_a_segmented_prompt_is_refused(small_pool_llm):
     """vLLM loads nothing from KV connectors for such a request: its context would run causally
     under graphchunk's salt (and isolated positions would still be moved). Refused, naming it."""

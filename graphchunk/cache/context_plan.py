@@ -136,6 +136,17 @@ class RequestPlan:
     reused should the tier serve it."""
 
 
+def context_blocks(seg: SegmentedPrompt, mode: str, block_size: int, prefix_len: int = 0) -> int:
+    """The pool blocks a request's whole context holds at once when planned from its first token:
+    its sys prompt's entry and one entry per distinct chunk (isolated: from the sys prompt's partial
+    last block on; blend: after the blend prefix's ``prefix_len`` tokens), as ``ContextPlanner.plan``
+    inserts them. A context needing more than the pool's blocks can never be planned."""
+    lay = seg.layout
+    offset = lay.sys_len % block_size if mode == "isolated" else prefix_len
+    chunks = {tuple(seg.chunk_tokens(i)) for i in range(lay.num_chunks)}
+    return -(-lay.sys_len // block_size) + sum(-(-(offset + len(chunk)) // block_size) for chunk in chunks)
+
+
 class ContextPlanner:
     def __init__(self, pool: ChunkPool, space: KeySpace):
         self.pool, self.space = pool, space

@@ -451,7 +451,8 @@ def _entries() -> tuple[Name, ...]:
     add(n(CFG, "ModelConfig.get_num_kv_heads", "call", WK, CONFIG, ("parallel_config",)))
     add(n(CFG, "ModelConfig.get_head_size", "call", WK, CONFIG, ()))
     for attr in ("block_size", "cache_dtype", "kv_cache_memory_bytes"):
-        add(n(CFG, f"CacheConfig.{attr}", "attribute", f"{WK}, {MR}, {KB}", CONFIG))
+        add(n(CFG, f"CacheConfig.{attr}", "attribute", f"{WK}, {MR}, {KB}" + (f", {PL}" if attr == "block_size" else ""),
+              CONFIG))
     for attr in ("num_gpu_blocks", "num_gpu_blocks_override"):
         add(n(CFG, f"CacheConfig.{attr}", "field", f"{MR}, {KB}", KV + " (written: the worker's block count, "
               "and the override get_kv_cache_config_from_groups sizes by)"))

@@ -78,7 +78,9 @@ hashes (``connector.py``, ``_evict_invalid``) and the entry leaves the index.
 
 A request whose context can never fit the pool, even with every other entry evicted, is refused
 (``requests_failed``): its load carries the reason, and the workers fail it through vLLM's
-KV-load-failure path instead of leaving it waiting for room that will never come.
+KV-load-failure path instead of leaving it waiting for room that will never come (the API
+process refuses most such requests before they are queued: ``frontend.RequestAnnotator``). A
+blend request of a ranking policy runs as vLLM's full prefill instead (``blend_full_prefills``).
 
 A blend request the model cannot blend (``handshake.blend_refusal``, from the workers) and an
 ordinary prompt load nothing: vLLM computes their full prefill itself.
@@ -267,6 +269,12 @@ class ContextScheduler:
                     logger.debug("graphchunk: request %s waits for pool room: %s", req_id, exc)
                     self._room_for = self._room_for or req_id
                     return None, False
+                if request.policy is not None and request.policy.needs_check:
+                    logger.info("graphchunk: blend request %s's context cannot fit the chunk pool even when empty "
+                                "(%s): it runs as vLLM's full prefill, blend's target", req_id, exc)
+                    state.prefilled = True
+                    self.metrics.blend_full_prefills += 1
+                    return 0, False
                 state.start = num_computed
                 state.refused = (f"graphchunk: request {req_id}'s context cannot fit the chunk pool even when "
                                  f"empty ({exc}); raise graphchunk.pool_tokens or send fewer, longer chunks")

@@ -30,6 +30,7 @@ import numpy as np
 import xxhash
 
 from graphchunk.blend.recompute import POLICIES, SPREADS, RecomputePolicy
+from graphchunk.cache.context_plan import context_blocks
 from graphchunk.config import MODES, GraphChunkConfig, valid_key_temperature
 from graphchunk.documents import asks_for_documents
 from graphchunk.segments import SegmentationError, SegmentedPrompt, SeparatorSplitter, split_at
@@ -112,13 +113,16 @@ class DocumentBoundaries:
 
 class RequestAnnotator:
     def __init__(self, config: GraphChunkConfig, tokenizer, blend_refusal: str | None = None,
-                 temperature_refusal: str | None = None):
+                 temperature_refusal: str | None = None, pool_size=None):
         """``blend_refusal``: why this model cannot serve blend requests (``rope.hf_rope_refusal``);
-        ``temperature_refusal``: why it cannot take a key temperature (``temperature_refusal``)."""
+        ``temperature_refusal``: why it cannot take a key temperature (``temperature_refusal``);
+        ``pool_size()``: the chunk pool's (blocks, block size, blend prefix tokens), None while
+        unknown (``plugin.published_pool``)."""
         self.config = config
         self.blend_refusal = blend_refusal
         self.temperature_refusal = temperature_refusal
         self.tokenizer = tokenizer
+        self.pool_size = pool_size
 
     @functools.cached_property
     def splitter(self) -> SeparatorSplitter:
@@ -199,6 +203,7 @@ class RequestAnnotator:
                                     "skips KV connectors too, and graphchunk loads their context through one")
         if getattr(request, "mm_features", None):
             raise SegmentationError("segmented prompts cannot carry multimodal inputs")
+        self.check_fits(seg, mode, policy)
         args[BOUNDARIES_ARG] = [b for b, _ in seg.bounds[1:]]
         args[SALT_ARG] = kv_salt(request)
         for key in (TEMPERATURE_ARG, *POLICY_ARGS):
@@ -212,6 +217,24 @@ class RequestAnnotator:
             fingerprint = blend_fingerprint(seg, policy)
         params.extra_args = args
         request.cache_salt = f"{request.cache_salt or ''}{SALT_MARK}{fingerprint}"
+
+
+    def check_fits(self, seg: SegmentedPrompt, mode: str, policy: RecomputePolicy | None) -> None:
+        """Refuses, before it is queued, a context that can never fit the chunk pool
+        (``context_plan.context_blocks``), once the pool's size is known; not a blend request of a
+        ranking policy, which then runs as vLLM's full prefill (``ContextScheduler.matched``)."""
+        size = self.pool_size() if self.pool_size is not None else None
+        if size is None or policy is not None and policy.needs_check:
+            return
+        num_blocks, block_size, prefix_len = size
+        needed = context_blocks(seg, mode, block_size, prefix_len)
+        if needed > num_blocks:
+            raise SegmentationError(
+                f"this request's context ({seg.layout.context_len} tokens: a system prompt and "
+                f"{seg.layout.num_chunks} chunks) needs {needed} blocks of graphchunk's chunk pool, which holds "
+                f"{num_blocks} blocks of {block_size} tokens; raise graphchunk.pool_tokens to at least "
+                f"{needed * block_size}, or send fewer or shorter chunks (each {mode} chunk's entry takes whole "
+                f"blocks)")
 
 
 def _separator(extra_args: dict, config: GraphChunkConfig) -> str:

@@ -270,9 +270,35 @@ def _annotator(processor):
             settings = GraphChunkConfig.from_additional_config(config.additional_config)
             hf_config = config.model_config.hf_config
             annotator = RequestAnnotator(settings, processor.get_tokenizer(), hf_rope_refusal(hf_config),
-                                         temperature_refusal(hf_config))
+                                         temperature_refusal(hf_config), published_pool(config, settings))
         setattr(processor, _ANNOTATOR, annotator)
     return annotator or None
+
+
+def published_pool(vllm_config, settings):
+    """``pool_size()`` for the annotator in the API process: the chunk pool's (blocks, block size,
+    blend prefix tokens), read from what the scheduler's connector publishes at start-up
+    (``pool_blocks_total`` in engine 0's metrics file: every engine's pool has the same size);
+    None until it has, or where nothing is published."""
+    from graphchunk.metrics import engine_metrics_file, read_published
+
+    block_size = vllm_config.cache_config.block_size
+    found: list[tuple[int, int, int]] = []
+
+    def pool_size() -> tuple[int, int, int] | None:
+        if not found:
+            values = read_published(engine_metrics_file(0))
+            if not values or not values.get("pool_blocks_total"):
+                return None
+            prefix = 0
+            if settings.blend_prefix:
+                from graphchunk.engine.kv_binding import blend_prefix_tokens
+
+                prefix = len(blend_prefix_tokens(vllm_config.model_config, settings.blend_prefix))
+            found.append((int(values["pool_blocks_total"]), block_size, prefix))
+        return found[0]
+
+    return pool_size
 
 
 def _export_metrics() -> None:
