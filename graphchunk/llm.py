@@ -100,7 +100,7 @@ class GraphChunkLLM:
         """``graphchunk``: the settings of ``GraphChunkConfig``; ``llm_kwargs`` go to ``vllm.LLM``."""
         from vllm import LLM
 
-        from graphchunk.engine.plugin import register
+        from graphchunk.engine.plugin import bind_annotator, register
         from graphchunk.reference import models
 
         register()  # vLLM loads it from the entry point too; this makes a source checkout work
@@ -110,6 +110,7 @@ class GraphChunkLLM:
         additional["graphchunk"] = {**additional.get("graphchunk", {}), **(graphchunk or {})}
         self.llm = LLM(model=model or str(models.smollm2_path()), worker_cls="graphchunk.Runner",
                        additional_config=additional, **llm_kwargs)
+        bind_annotator(self.llm.input_processor, self.metrics_file)  # this engine's pool, not a later one's
         self.tokenizer = self.llm.get_tokenizer()
 
     # --- generation --------------------------------------------------------------------------

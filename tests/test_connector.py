@@ -139,28 +139,34 @@ def test_a_request_waiting_for_another_ones_job_needs_it(make_scheduler):
 
 
 def test_a_full_pool_defers_a_request_an_abort_releases_its_plan_and_one_that_never_fits_is_refused(make_scheduler):
-    """A request waits while other requests' entries hold the pool; once nothing holds it, a request
-    whose context cannot fit even the empty pool is refused (its fill carries the reason: the workers
-    fail it through vLLM's KV-load-failure path) instead of waiting forever."""
+    """A request waits while other requests' entries hold the pool, and runs once they are gone; a
+    request whose context cannot fit even the empty pool is refused at once (its fill carries the
+    reason: the workers fail it through vLLM's KV-load-failure path), without waiting for the pool
+    to empty, reserving its room or evicting anything."""
+    from vllm.v1.request import RequestStatus
+
     scheduler, hasher = make_scheduler(pool_blocks=8)
+    pool = scheduler.connector._context().pool
     scheduler.add_request(request("b", SYS + C1 + Q, [40, 150], hasher))  # fits: 2 + 5 blocks
     so, work = step(scheduler, done_before=0)
     assert [load.req_id for load in work.loads] == ["b"]
-    scheduler.add_request(request("a", SYS + C1 + C2 + Q, [40, 150, 280], hasher))  # needs 2 + 5 + 5 blocks
+    scheduler.add_request(request("c", SYS + C2 + Q, [40, 170], hasher))  # fits alone: 2 + 5 blocks
     so, work = step(scheduler, done_before=0)
-    assert so.num_scheduled_tokens == {} and not work.loads and not work.jobs and not work.fills  # asked again later
-    pool = scheduler.connector._context().pool
+    assert so.num_scheduled_tokens == {} and not work.loads and not work.jobs  # waits: b holds the pool
     assert pool.metrics.pool_refs_held > 0
-    from vllm.v1.request import RequestStatus
-
-    scheduler.finish_requests(["b"], RequestStatus.FINISHED_ABORTED)
-    step(scheduler, done_before=2)  # the workers report b's jobs run (after this step's schedule)
-    so, work = step(scheduler, done_before=2)  # nothing holds the pool now: a can never fit
-    (fill,) = work.fills
+    scheduler.add_request(request("a", SYS + C1 + C2 + Q, [40, 150, 280], hasher))  # needs 2 + 5 + 5 blocks
+    evictions = pool.metrics.evictions
+    so, work = step(scheduler, done_before=0)
+    (fill,) = work.fills  # refused at once, though b still holds the pool
     assert fill.req_id == "a" and "cannot fit the chunk pool even when empty" in fill.refused and not fill.units
-    assert so.num_scheduled_tokens == {"a": 20}
-    scheduler.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
-    step(scheduler, done_before=2)
+    assert so.num_scheduled_tokens == {"a": 20} and pool.metrics.evictions == evictions
+    scheduler.finish_requests(["a", "b"], RequestStatus.FINISHED_ABORTED)
+    step(scheduler, done_before=2)  # the workers report b's jobs run (after this step's schedule)
+    so, work = step(scheduler, done_before=2)  # nothing holds the pool now: c is planned
+    assert [load.req_id for load in work.loads] == ["c"]
+    scheduler.finish_requests(["c"], RequestStatus.FINISHED_ABORTED)
+    step(scheduler, done_before=4)
+    step(scheduler, done_before=4)
     assert pool.metrics.pool_refs_held == 0
     pool.check_invariants()
 

@@ -488,6 +488,23 @@ def test_a_context_that_can_never_fit_the_pool_is_refused_once_its_size_is_known
     annotator.annotate(req())
 
 
+def test_an_engines_annotator_reads_its_own_pools_size(tmp_path, monkeypatch):
+    """``published_pool`` reads the metrics file it was bound to (``GraphChunkLLM`` binds its own at
+    start-up), not the one a later engine of the same program names; nothing before a size is
+    published."""
+    from graphchunk.engine.plugin import published_pool
+    from graphchunk.metrics import METRICS_FILE_ENV, CacheMetrics, MetricsPublisher
+
+    ours, later = str(tmp_path / "ours.bin"), str(tmp_path / "later.bin")
+    config = SimpleNamespace(cache_config=SimpleNamespace(block_size=32), model_config=None)
+    pool_size = published_pool(config, GraphChunkConfig(), ours)
+    assert pool_size() is None
+    for path, blocks in ((ours, 33), (later, 1)):
+        MetricsPublisher(path).publish(CacheMetrics(pool_blocks_total=blocks))
+    monkeypatch.setenv(METRICS_FILE_ENV, later)
+    assert pool_size() == (33, 32, 0)
+
+
 def test_a_failed_request_raises_holding_every_output(tokenizer):
     """GraphChunkLLM.generate and chat raise RequestFailed when a request finished with vLLM's
     finish reason 'error', naming it; the call's outputs ride on the exception."""

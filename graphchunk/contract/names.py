@@ -571,6 +571,8 @@ def _entries() -> tuple[Name, ...]:
     add(n("vllm.entrypoints.llm", "LLM.chat", "call", LLM, "", ("messages", "sampling_params", "use_tqdm",
           "chat_template", "chat_template_kwargs"), public=True))
     add(n("vllm.entrypoints.llm", "LLM.get_tokenizer", "call", LLM, "", (), public=True))
+    add(n("vllm.entrypoints.llm", "LLM.input_processor", "attribute", LLM, "its annotator is built with the metrics "
+          "file this engine's scheduler publishes the pool's size to (a program may hold several engines)"))
     add(n("vllm.entrypoints.llm", "LLM.enqueue_chat", "call", PRE, "documents requests queued and run "
           "together", ("messages", "sampling_params", "use_tqdm", "chat_template_kwargs")))
     add(n("vllm.entrypoints.llm", "LLM.wait_for_completion", "call", PRE, "", ("use_tqdm",)))

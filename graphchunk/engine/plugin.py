@@ -257,12 +257,16 @@ def _request_error_class() -> type:
     return GraphChunkRequestError
 
 
-def _annotator(processor):
+def _annotator(processor, metrics_file: str | None = None):
+    """The request annotator of an engine's ``InputProcessor`` (built once; False for an engine
+    whose worker is not graphchunk's). ``metrics_file``: the file this engine's scheduler publishes
+    to (``published_pool``); default, the one this process names (an API server's one engine)."""
     annotator = getattr(processor, _ANNOTATOR, None)
     if annotator is None:
         from graphchunk.blend.rope import hf_rope_refusal
         from graphchunk.config import GraphChunkConfig
         from graphchunk.engine.frontend import RequestAnnotator, is_graphchunk_worker, temperature_refusal
+        from graphchunk.metrics import engine_metrics_file
 
         config = processor.vllm_config
         annotator = False
@@ -270,24 +274,31 @@ def _annotator(processor):
             settings = GraphChunkConfig.from_additional_config(config.additional_config)
             hf_config = config.model_config.hf_config
             annotator = RequestAnnotator(settings, processor.get_tokenizer(), hf_rope_refusal(hf_config),
-                                         temperature_refusal(hf_config), published_pool(config, settings))
+                                         temperature_refusal(hf_config),
+                                         published_pool(config, settings, metrics_file or engine_metrics_file(0)))
         setattr(processor, _ANNOTATOR, annotator)
     return annotator or None
 
 
-def published_pool(vllm_config, settings):
+def bind_annotator(processor, metrics_file: str) -> None:
+    """Builds an engine's annotator now, reading its pool's size from ``metrics_file`` (a program
+    may hold several engines, each publishing to its own file: ``GraphChunkLLM``)."""
+    _annotator(processor, metrics_file)
+
+
+def published_pool(vllm_config, settings, path: str | None):
     """``pool_size()`` for the annotator in the API process: the chunk pool's (blocks, block size,
-    blend prefix tokens), read from what the scheduler's connector publishes at start-up
-    (``pool_blocks_total`` in engine 0's metrics file: every engine's pool has the same size);
-    None until it has, or where nothing is published."""
-    from graphchunk.metrics import engine_metrics_file, read_published
+    blend prefix tokens), read from what the engine's scheduler publishes at start-up
+    (``pool_blocks_total`` in ``path``, engine 0's metrics file: every data-parallel engine's pool
+    has the same size); None until it has, or where nothing is published."""
+    from graphchunk.metrics import read_published
 
     block_size = vllm_config.cache_config.block_size
     found: list[tuple[int, int, int]] = []
 
     def pool_size() -> tuple[int, int, int] | None:
-        if not found:
-            values = read_published(engine_metrics_file(0))
+        if not found and path:
+            values = read_published(path)
             if not values or not values.get("pool_blocks_total"):
                 return None
             prefix = 0
