@@ -153,6 +153,9 @@ class Workers:
         self.step_no = 0
         self.last: dict[str, int] = {}
         """Per request, the token after the last one vLLM computed."""
+        self.reported_invalid: set[int] = set()
+        """Blocks the last step reported invalid: under asynchronous scheduling vLLM schedules the
+        next step (a prefix hit on them included) before that report reaches it."""
 
     def settle(self) -> None:
         """From now on every report arrives with its step, as vLLM's workers' do once traffic stops
@@ -212,6 +215,7 @@ class Workers:
             self.failed_fills.add(load.req_id)
             expected_invalid |= set(load.block_ids[min(u.lo for u in load.units) // BLOCK:])
         assert invalid == expected_invalid, "the invalid blocks are not those of refused and failed fills"
+        self.reported_invalid = invalid
         assert refill == {load.req_id for load in bad_fills}, "the requests planned again are not those of failed fills"
         late = set() if self.settled else {r for r in finished if self.rng.random() < 0.3}
         report, self.held = (finished - late) | self.held, late
@@ -243,13 +247,15 @@ class Workers:
 
     def check_fills(self, engine, loads):
         """Every context token of each filled load holds its semantics' KV; where one does not, the
-        request shares a block that another request's failed fill left invalid (vLLM fails it:
-        ``bad_reads``), else the fill is wrong."""
+        request shares a block that another request's failed fill left invalid, in this step or in
+        the one before whose report vLLM has not processed yet (it is planned again, and nothing
+        its forward computes is delivered: ``bad_reads``, ``Steps.served_wrong``), else the fill
+        is wrong."""
         for load in loads:
             for t in range(load.request.seg.layout.context_len):
                 if self.holds(engine, load.request, load.block_ids, t):
                     continue
-                assert engine.runner.invalid & set(load.block_ids), \
+                assert (engine.runner.invalid | self.reported_invalid) & set(load.block_ids), \
                     f"request {load.req_id}: context token {t} holds {engine.kv.kv.get(engine.kv.slot(load.block_ids, t))}"
                 self.bad_reads[load.req_id] = self.bad_reads.get(load.req_id, 0) + 1
                 break

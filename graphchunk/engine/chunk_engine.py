@@ -15,7 +15,7 @@ and the segmented requests the worker holds. vLLM's hooks call it in step order:
                       asynchronous loads), computes misses up to the step's budget
                       (``graphchunk.miss_budget``), fills the asynchronous loads whose jobs have
                       all run (reported loaded to vLLM through the connector, also when the fill
-                      failed its check: its blocks are then invalid and vLLM fails the request),
+                      failed its check: the request is then planned again, ``fill_retry.py``),
                       plans the step
                       (``step_plan.py``) and holds the plan while vLLM runs the step; after its
                       forward, fills the step's captured blend entries from the requests vLLM
