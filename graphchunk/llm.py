@@ -59,10 +59,11 @@ def raise_failed(outputs: list) -> list:
     failed = [out.request_id for out in outputs if any(c.finish_reason == "error" for c in out.outputs)]
     if failed:
         raise RequestFailed(
-            f"graphchunk: {len(failed)} of {len(outputs)} requests failed (finish reason 'error'): {failed}. graphchunk "
-            f"fails a request whose context can never fit its chunk pool (raise graphchunk.pool_tokens) or whose context "
-            f"fill failed its check more times than it is planned again (a bug: the log names the pool entries); "
-            f"vLLM fails requests for its own reasons too. The log names the cause; every output is in .outputs",
+            f"graphchunk: {len(failed)} of {len(outputs)} requests failed (finish reason 'error'): {failed}. "
+            f"graphchunk fails a request whose context can never fit its chunk pool (raise graphchunk.pool_tokens) "
+            f"or whose context fill failed its check more times than it is planned again (a bug: the log names the "
+            f"pool entries); vLLM fails requests for its own reasons too. The log names the cause; every output is "
+            f"in .outputs",
             outputs)
     return outputs
 

@@ -172,8 +172,9 @@ COUNTERS = tuple(name for name, (kind, _) in SCHEMA.items() if kind == "counter"
 GAUGES = tuple(name for name, (kind, _) in SCHEMA.items() if kind == "gauge")
 FIELDS = COUNTERS + GAUGES
 """Order of the values in the shared metrics file."""
-POOL_FIELDS = ("evictions", "entries_failed", "fills_retried", "requests_failed", "pool_blocks_used", "pool_blocks_total",
-               "pool_refs_held", "pool_blocks_leaked", "pool_utilization", "blend_requests_pending", "blend_recompute_deferrals", "blend_full_prefills")
+POOL_FIELDS = ("evictions", "entries_failed", "fills_retried", "requests_failed", "pool_blocks_used",
+               "pool_blocks_total", "pool_refs_held", "pool_blocks_leaked", "pool_utilization", "blend_requests_pending",
+               "blend_recompute_deferrals", "blend_full_prefills")
 """The pool's own metrics and the admission of blend requests: kept where vLLM schedules (the one
 pool index, ``engine/context_scheduler``) and published from there; every other field is the worker's."""
 WORKER_FIELDS = tuple(name for name in FIELDS if name not in POOL_FIELDS)

@@ -206,7 +206,8 @@ class GraphChunkConnector(KVConnectorBase_V1):
         engine = WORKER.engine
         if engine is None:
             return None
-        return GraphChunkWorkerMeta(engine.done_before, frozenset(engine.take_failed()), frozenset(engine.take_refill()))
+        return GraphChunkWorkerMeta(engine.done_before, frozenset(engine.take_failed()),
+                                    frozenset(engine.take_refill()))
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         return

@@ -218,7 +218,6 @@ class RequestAnnotator:
         params.extra_args = args
         request.cache_salt = f"{request.cache_salt or ''}{SALT_MARK}{fingerprint}"
 
-
     def check_fits(self, seg: SegmentedPrompt, mode: str, policy: RecomputePolicy | None) -> None:
         """Refuses, before it is queued, a context that can never fit the chunk pool
         (``context_plan.context_blocks``), once the pool's size is known; not a blend request of a
