@@ -4,7 +4,10 @@
 field's docstring); ``<!-- metrics -->`` the table of ``graphchunk.metrics.SCHEMA`` (the name as
 /metrics exports it, its kind, its help text); ``<!-- quality: perf/results/X.json -->`` the
 table of a ``perf/answers/bench_blend.py`` result (exact match per setting and family, its paired
-difference to full prefill, KL, all-hit TTFT). Run by ``mkdocs build`` (``mkdocs.yml``: hooks).
+difference to full prefill, KL, all-hit TTFT); ``<!-- serving: perf/results/X.json -->`` the table
+of a ``perf/serving/bench_serve.py`` result (every server and pass: requests per second and time to
+first token against vanilla's same pass, TPOT, hit rates, preemptions). Run by ``mkdocs build``
+(``mkdocs.yml``: hooks).
 """
 from __future__ import annotations
 
@@ -43,8 +46,9 @@ def settings_table() -> str:
 
 def metrics_table() -> str:
     rows = ["| metric | kind | meaning |", "|---|---|---|"]
-    for name, (kind, help_text) in metrics.SCHEMA.items():
-        exported = f"graphchunk_{name}" + ("_total" if kind == "counter" else "")
+    for name in metrics.EXPORTED:
+        kind, help_text = metrics.SCHEMA[name]
+        exported = metrics.PROMETHEUS_PREFIX + name + ("_total" if kind == "counter" else "")
         rows.append(f"| `{exported}` | {kind} | {_cell(help_text)} |")
     return "\n".join(rows)
 
@@ -79,8 +83,30 @@ REPO = Path(__file__).resolve().parents[1]
 GENERATED = {"<!-- settings -->": settings_table, "<!-- metrics -->": metrics_table}
 
 
+def serving_table(result_path: Path) -> str:
+    """A bench_serve result as a table: a row per server kind and pass, by concurrency."""
+    result = json.loads(result_path.read_text())
+
+    def times(row, key):
+        ratio = (row.get("vs_vanilla") or {}).get(key)
+        return f" ({ratio:.2f}x)" if ratio else ""
+
+    rows = ["| c | server | pass | req/s (x vanilla) | p50 TTFT ms (x faster) | p99 TTFT ms | p50 TPOT ms | "
+            "chunk hit rate | prefix-cache hit rate | preemptions |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for row in sorted(result["rows"], key=lambda r: r["concurrency"]):
+        cache = row["cache"]
+        hit, preempted = cache.get("chunk_hit_rate"), cache.get("preemptions")
+        rows.append(f"| {row['concurrency']} | {row['kind']} | {row['phase']} | {row['request_throughput']:.2f}"
+                    f"{times(row, 'request_throughput')} | {row['ttft_ms']['p50']:.0f}{times(row, 'ttft_p50_speedup')} | "
+                    f"{row['ttft_ms']['p99']:.0f} | {row['tpot_ms']['p50']:.0f} | "
+                    f"{'' if hit is None else f'{hit:.2f}'} | {cache.get('prefix_cache_hit_rate') or 0:.2f} | "
+                    f"{'' if preempted is None else f'{preempted:.0f}'} |")
+    return "\n".join(rows)
+
+
 def on_page_markdown(markdown: str, page, config, files) -> str:
     for marker, make in GENERATED.items():
         if marker in markdown:
             markdown = markdown.replace(marker, make())
+    markdown = re.sub(r"<!-- serving: (\S+) -->", lambda m: serving_table(REPO / m.group(1)), markdown)
     return re.sub(r"<!-- quality: (\S+) -->", lambda m: quality_table(REPO / m.group(1)), markdown)

@@ -155,7 +155,7 @@ class GraphChunkConfig:
     """A documents request graphchunk cannot chunk (a template that puts the documents after the
     question or hides them, a renderer without an HF template, more than ``max_chunks`` documents,
     one over ``max_chunk_len``): 'refuse' (a 400 naming the problem) or 'ordinary' (it runs as an
-    ordinary prompt, counted in ``graphchunk_documents_unchunked_total``). Malformed documents are
+    ordinary prompt, counted in ``vllm:graphchunk_documents_unchunked_total``). Malformed documents are
     refused either way."""
 
     def __post_init__(self):

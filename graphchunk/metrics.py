@@ -1,39 +1,24 @@
-"""Counters of the chunk cache, exported by ``GraphChunkLLM.stats()`` and the server's /metrics.
+"""Counters of the chunk cache, exported on vLLM's /metrics and by ``GraphChunkLLM.stats()``.
 
 ``CacheMetrics`` is the schema: each field is declared with ``_counter`` or ``_gauge``, which
 give it its Prometheus kind and help text, and each gauge computed from fields is a
-``_derived_gauge`` property; ``SCHEMA`` (and the publisher, reader and collector below, which use
-it) are derived from the class.
+``_derived_gauge`` property (``stats()`` only: Prometheus users compute ratios in PromQL);
+``SCHEMA`` (and the report and publisher below, which use it) are derived from the class.
 
-The worker runs in a process of its own (a multiprocessing child of vLLM's engine core, itself a
-child of the API process or of the program holding a GraphChunkLLM). After each step it
-publishes a snapshot into a small shared file of float64s (``FIELDS`` order) named by
-GRAPHCHUNK_METRICS_FILE, which child processes inherit; the API process's /metrics
-(``PrometheusCollector``) and ``GraphChunkLLM.published_stats()`` read it. (``GraphChunkLLM.stats()``
-does not: it asks the worker by RPC.)
+Two ways out of the engine's processes, both fed from the same fields:
 
-Why not prometheus_client's multiprocess mode (PROMETHEUS_MULTIPROC_DIR, MultiProcessCollector):
-- vLLM owns that variable. The worker's prometheus_client writes to files only if the variable
-  is set when it is imported (``prometheus_client.values.ValueClass`` is chosen at import), so
-  the API process would have to set it before vLLM spawns the engine; but vLLM's
-  ``get_prometheus_registry()`` (vllm/v1/metrics/prometheus.py), on seeing it set, serves
-  /metrics from a fresh ``CollectorRegistry`` holding only a ``MultiProcessCollector``: every
-  metric vLLM keeps in the API process's memory (created before a plugin can set the variable)
-  would vanish from /metrics, and vLLM warns that a directory it did not create "must be wiped
-  between vLLM runs". vLLM sets it itself only with --api-server-count > 1 (and then its
-  /metrics, built that way, does not show a collector on the global registry, so graphchunk's
-  metrics are not exported with several API servers).
-- Counters are summed over every process's file; there is no other mode for them. Under tensor
-  parallelism every rank's worker keeps and publishes the same counts (each plans the same
-  steps), so graphchunk_lookups_total etc. would read tp_size times the lookups; here the
-  ranks overwrite the same slots.
-- CacheMetrics holds totals, and its gauges are set, not incremented: the worker would have to
-  turn each snapshot into increments against the last one it published, and every gauge would
-  need multiprocess_mode="mostrecent".
-- Files are per pid and outlive their process: a worker's files stay summed in after it exits,
-  so each engine (several GraphChunkLLMs in one program, a restarted server) would need a
-  directory of its own that graphchunk creates and removes.
-One file per engine, overwritten by whole snapshots, has none of these problems.
+- **vLLM's KV-connector metrics path** (/metrics). ``StatsReport.take()`` turns the fields into
+  what changed since the last take (counters' increments, gauges' new values); the connector
+  returns it from ``get_kv_connector_stats`` (``engine/connector_stats.py``): the workers' fields
+  from tensor-parallel rank 0 only (every rank counts the same steps), the pool's from the
+  scheduler, which vLLM adds to its own scheduler stats and sends to the API process; there
+  ``build_prom_metrics`` records them as ``vllm:graphchunk_*`` series labelled ``model_name`` and
+  ``engine`` like vLLM's own, in vLLM's registry (so they survive ``--api-server-count`` above 1
+  and follow ``--disable-log-stats``).
+- **A small shared file of float64s** (``FIELDS`` order) named by GRAPHCHUNK_METRICS_FILE, which
+  child processes inherit: ``GraphChunkLLM`` reads the pool's fields from it (its engine keeps no
+  stats loggers), and the API process the pool's size (``plugin.published_pool``, before a
+  request is queued). One file per engine, overwritten by whole snapshots.
 """
 from __future__ import annotations
 
@@ -178,6 +163,33 @@ POOL_FIELDS = ("evictions", "entries_failed", "fills_retried", "requests_failed"
 """The pool's own metrics and the admission of blend requests: kept where vLLM schedules (the one
 pool index, ``engine/context_scheduler``) and published from there; every other field is the worker's."""
 WORKER_FIELDS = tuple(name for name in FIELDS if name not in POOL_FIELDS)
+PROMETHEUS_PREFIX = "vllm:graphchunk_"
+"""Each exported field's name on /metrics, after vLLM's own (``vllm:graphchunk_hits_total``)."""
+EXPORTED = tuple(name for name in FIELDS if name not in DERIVED)
+"""The fields exported on /metrics: every one but the ratios."""
+
+
+class StatsReport:
+    """What changed in ``fields`` of ``metrics`` since the last ``take()``: counters'
+    increments and gauges' new values (every gauge on the first take). Costs the fields' count."""
+
+    def __init__(self, metrics: CacheMetrics, fields: tuple[str, ...]):
+        self.metrics = metrics
+        self.counters = tuple(name for name in fields if name in COUNTERS)
+        self.gauges = tuple(name for name in fields if name in GAUGES and name not in DERIVED)
+        self.last: dict[str, float | None] = {**dict.fromkeys(self.counters, 0), **dict.fromkeys(self.gauges)}
+
+    def take(self) -> dict[str, dict[str, float]] | None:
+        """``{"counters": {name: increment}, "gauges": {name: value}}`` of the fields that
+        changed, or None when none did."""
+        counters, gauges = {}, {}
+        for names, changed, increment in ((self.counters, counters, True), (self.gauges, gauges, False)):
+            for name in names:
+                value, last = getattr(self.metrics, name), self.last[name]
+                if value != last:
+                    changed[name] = value - last if increment else value
+                    self.last[name] = value
+        return {"counters": counters, "gauges": gauges} if counters or gauges else None
 
 
 # --- across processes (see the module docstring) -------------------------------------------
@@ -224,14 +236,6 @@ def engine_metrics_file(engine: int) -> str | None:
     return None if not base else base if engine == 0 else f"{base}.dp{engine}"
 
 
-def engine_metrics_files(base: str) -> list[tuple[str, str]]:
-    """(engine index, file) of every engine publishing under ``base``, engine 0 first."""
-    import glob
-
-    suffixed = sorted(glob.glob(glob.escape(base) + ".dp*"), key=lambda path: int(path.rsplit(".dp", 1)[1]))
-    return [("0", base)] + [(path.rsplit(".dp", 1)[1], path) for path in suffixed]
-
-
 def read_published(path: str | None = None) -> dict[str, float] | None:
     """The last published snapshot, or None before the worker published one."""
     import os
@@ -242,27 +246,3 @@ def read_published(path: str | None = None) -> dict[str, float] | None:
     if not path or not os.path.exists(path) or os.path.getsize(path) != 8 * len(FIELDS):
         return None
     return dict(zip(FIELDS, np.fromfile(path, dtype=np.float64).tolist()))
-
-
-class PrometheusCollector:
-    """Exports the published snapshots as ``graphchunk_*`` metrics on vLLM's /metrics, one series
-    per engine core (label ``engine``, as vLLM labels its own: data-parallel engines each have
-    their pool)."""
-
-    def collect(self):
-        import os
-
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-        base = os.environ.get(METRICS_FILE_ENV)
-        engines = [(engine, values) for engine, path in (engine_metrics_files(base) if base else [])
-                   if (values := read_published(path)) is not None]
-        if not engines:
-            return
-        family = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily}
-        for name in FIELDS:
-            kind, help_text = SCHEMA[name]
-            metric = family[kind](f"graphchunk_{name}", help_text, labels=["engine"])
-            for engine, values in engines:
-                metric.add_metric([engine], values[name])
-            yield metric

@@ -29,7 +29,8 @@ from graphchunk.engine.connector import GraphChunkHandshake, GraphChunkWorkerMet
 from graphchunk.engine.context_scheduler import PoolHandshake, computed_before
 from graphchunk.engine.frontend import RequestAnnotator, one_tenant
 from graphchunk.engine.kv_binding import blend_prefix_tokens
-from graphchunk.metrics import METRICS_FILE_ENV, CacheMetrics
+from graphchunk.engine.connector_stats import GraphChunkStats, take_stats
+from graphchunk.metrics import METRICS_FILE_ENV, WORKER_FIELDS, CacheMetrics, StatsReport
 
 BLOCK = 16
 KV_BLOCKS = 48
@@ -131,7 +132,9 @@ class Workers:
         self.engines = []
         for _ in range(RANKS):
             runner = ContextRunner(BLOCK, BUDGET, CacheMetrics())
-            self.engines.append(ChunkEngine(config, runner.metrics, runner, ContentDevice(), handshake, BUDGET))
+            stats = StatsReport(runner.metrics, WORKER_FIELDS) if not self.engines else None  # rank 0 reports
+            self.engines.append(ChunkEngine(config, runner.metrics, runner, ContentDevice(), handshake, BUDGET,
+                                            report=stats))
         self.loaded: dict[str, int] = {}
         """Loads reported by some ranks (vLLM's aggregator reports a request once every rank has)."""
         self.held: set[str] = set()
@@ -230,6 +233,7 @@ class Workers:
             sampled_token_ids=[[7] if done else [] for done in prompt_done],
             kv_connector_output=KVConnectorOutput(
                 finished_recving=report or None, invalid_block_ids=invalid,
+                kv_connector_stats=take_stats(self.engines[0].report),
                 kv_connector_worker_meta=GraphChunkWorkerMeta(min(self.done_before), frozenset(failed),
                                                               frozenset(refill))))
 
@@ -349,7 +353,7 @@ def make_vllm_scheduler(smollm2_path, gc: dict, asynchronous: bool = False):
     init_none_hash(hash_fn)
     if asynchronous:
         from vllm.v1.core.sched.async_scheduler import AsyncScheduler as Scheduler  # noqa: N814
-    scheduler = Scheduler(config, kv_cache_config, StructuredOutputManager(config), block_size=BLOCK)
+    scheduler = Scheduler(config, kv_cache_config, StructuredOutputManager(config), block_size=BLOCK, log_stats=True)
     assert scheduler.defer_block_free == asynchronous  # vLLM's deferred frees, as async_scheduling has them
     # As the workers tell it: blend_prefix tokenized by the model's tokenizer (kv_binding's own function).
     space = KeySpace("m", "f32", blend_prefix=blend_prefix_tokens(model, gc.get("blend_prefix", "")))
@@ -438,6 +442,8 @@ class Steps:
         """The tokens vLLM delivered to each request."""
         self.delivered_wrong: dict[str, int] = {}
         """Tokens vLLM delivered from a forward that read context KV not the request's semantics'."""
+        self.reported = GraphChunkStats()
+        """graphchunk's metrics as vLLM's scheduler stats carried them (``connector_stats.py``), summed."""
 
     def abort(self, req_id: str) -> None:
         """The client goes away (vLLM's ``finish_requests``, as the API server calls it)."""
@@ -461,6 +467,8 @@ class Steps:
         while len(self.queue) > keep:
             so, output, step_no = self.queue.pop(0)
             for outputs in self.scheduler.update_from_output(so, output).values():
+                if outputs.scheduler_stats is not None and outputs.scheduler_stats.kv_connector_stats:
+                    self.reported = self.reported.aggregate(GraphChunkStats(outputs.scheduler_stats.kv_connector_stats))
                 for out in outputs.outputs:
                     self.delivered.setdefault(out.request_id, []).extend(out.new_token_ids)
                     if out.new_token_ids and (step_no, out.request_id) in self.workers.bad_steps:

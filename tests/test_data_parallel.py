@@ -5,8 +5,9 @@ requests between them. Answers equal the HF oracle token for token whichever eng
 each engine's graphchunk metrics are its own (label ``engine``); with a shared tier, documents one
 engine computed are loaded by the other, not computed again.
 
-One SmolLM2 server (fp32, eager, one API server process: graphchunk's metrics are exported by a
-single API server, docs/metrics.md); isolated mode (its oracle is exact).
+One SmolLM2 server (fp32, eager; two API server processes, vLLM's default under data parallelism:
+graphchunk's metrics come through vLLM's own connector metrics path, which holds across them,
+docs/metrics.md); isolated mode (its oracle is exact).
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def build_server() -> VllmServer:
     tier = engines.scratch("dp-tier")
     srv = VllmServer(models.smollm2_path(), dtype="float32", graphchunk={**GC, "store_path": str(tier)},
                      flags=[*SERVER_FLAGS, "--max-model-len", "2048", "--block-size", "32",
-                            "--data-parallel-size", "2", "--api-server-count", "1"])
+                            "--data-parallel-size", "2", "--api-server-count", "2"])
     srv.start()
     try:
         srv.wait_healthy(900)
@@ -71,15 +72,15 @@ def test_both_engines_serve_exactly_with_their_own_pools_and_the_shared_tier(ser
         list(pool.map(lambda order: ask(server, tokenizer, oracle, order), orders))
     engines = server.engine_metrics()
     served = requests_by_engine(server)
-    lookups = {e: m.get("graphchunk_lookups_total", 0) for e, m in engines.items()}
+    lookups = {e: m.get("vllm:graphchunk_lookups_total", 0) for e, m in engines.items()}
     assert set(engines) == set(served) == {"0", "1"} and all(served.values()) and all(lookups.values()), \
         (engines, served)
     assert sum(served.values()) == 1 + len(orders)
     # Each engine counts its own requests' lookups (3 documents each; fewer where vLLM's own prefix
     # cache on that engine already held a document's blocks), never the other's.
     assert all(lookups[e] <= 3 * served[e] for e in engines), (lookups, served)
-    misses = sum(m.get("graphchunk_misses_total", 0) for m in engines.values())
-    tier_hits = sum(m.get("graphchunk_tier_hits_total", 0) for m in engines.values())
+    misses = sum(m.get("vllm:graphchunk_misses_total", 0) for m in engines.values())
+    tier_hits = sum(m.get("vllm:graphchunk_tier_hits_total", 0) for m in engines.values())
     assert misses == len(DOCS) and tier_hits >= len(DOCS), engines  # computed once; the other engine loads them
 
 

@@ -27,8 +27,8 @@ SETTINGS = {field.name for field in dataclasses.fields(GraphChunkConfig)}
 
 def metric_names() -> set[str]:
     names = set()
-    for name, (kind, _) in metrics.SCHEMA.items():
-        names.add(f"graphchunk_{name}" + ("_total" if kind == "counter" else ""))
+    for name in metrics.EXPORTED:
+        names.add(f"graphchunk_{name}" + ("_total" if metrics.SCHEMA[name][0] == "counter" else ""))
     return names
 
 

@@ -1,11 +1,13 @@
-"""The metrics schema (``CacheMetrics``' field declarations) and its cross-process export, without an engine."""
+"""The metrics schema (``CacheMetrics``' field declarations) and its export through vLLM's
+KV-connector metrics path (and the pool's file), without an engine."""
 from dataclasses import fields
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from graphchunk.metrics import (COUNTERS, DERIVED, FIELDS, GAUGES, METRICS_FILE_ENV, SCHEMA, CacheMetrics,
-                                MetricsPublisher, PrometheusCollector, engine_metrics_file, read_published)
+from graphchunk.metrics import (COUNTERS, DERIVED, EXPORTED, FIELDS, GAUGES, METRICS_FILE_ENV, POOL_FIELDS,
+                                PROMETHEUS_PREFIX, SCHEMA, WORKER_FIELDS, CacheMetrics, MetricsPublisher, StatsReport,
+                                engine_metrics_file, read_published)
 
 
 def sample() -> CacheMetrics:
@@ -41,36 +43,114 @@ def test_published_snapshot_reads_back(tmp_path):
     assert read_published(str(tmp_path / "short.bin")) is None
 
 
-def test_collector_exports_every_metric_with_its_kind_and_help(tmp_path, monkeypatch):
-    path = str(tmp_path / "metrics.bin")
-    monkeypatch.setenv(METRICS_FILE_ENV, path)
-    registry = CollectorRegistry()
-    registry.register(PrometheusCollector())
-    assert list(registry.collect()) == []  # nothing published yet
+def labelled(registry) -> dict:
+    """``(Counter, Gauge, Histogram)`` classes registering into ``registry``, as vLLM's
+    ``metric_types`` hands them to a connector's ``build_prom_metrics``."""
+    from functools import partial
+
+    from prometheus_client import Counter, Gauge, Histogram
+
+    return {kind: partial(kind, registry=registry) for kind in (Counter, Gauge, Histogram)}
+
+
+def prom_metrics(registry, engines=(0,)):
+    from types import SimpleNamespace
+
+    from graphchunk.engine.connector import GraphChunkConnector
+
+    return GraphChunkConnector.build_prom_metrics(SimpleNamespace(kv_transfer_config=None), labelled(registry),
+                                                  ["model_name", "engine"],
+                                                  {engine: ["m", str(engine)] for engine in engines})
+
+
+def test_a_report_holds_what_changed_since_the_last():
     m = sample()
-    MetricsPublisher(path).publish(m)
+    report = StatsReport(m, POOL_FIELDS)
+    first = report.take()
+    assert first["gauges"] == {name: getattr(m, name) for name in POOL_FIELDS if name in GAUGES and name not in DERIVED}
+    assert first["counters"] == {}  # none of the pool's counters moved
+    assert report.take() is None
+    m.evictions += 3
+    m.pool_blocks_used = 6
+    m.lookups += 1  # not one of the report's fields
+    assert report.take() == {"counters": {"evictions": 3}, "gauges": {"pool_blocks_used": 6}}
+    worker = StatsReport(m, WORKER_FIELDS)
+    assert worker.take()["counters"] == {"lookups": 5, "hits": 3, "misses": 1, "lookup_seconds": 0.25}
+    m.lookups += 2
+    assert worker.take() == {"counters": {"lookups": 2}, "gauges": {}}
+
+
+def test_reports_sum_over_steps_and_ranks_as_vllm_aggregates_them():
+    from graphchunk.engine.connector import GraphChunkConnector
+    from graphchunk.engine.connector_stats import GraphChunkStats
+
+    a = GraphChunkStats({"counters": {"hits": 2, "lookups": 3}, "gauges": {"pool_blocks_used": 4}})
+    b = GraphChunkStats({"counters": {"hits": 1, "evictions": 1}, "gauges": {"pool_blocks_used": 2}})
+    both = a.aggregate(b)
+    assert both.data == {"counters": {"hits": 3, "lookups": 3, "evictions": 1}, "gauges": {"pool_blocks_used": 2}}
+    assert a.data["counters"] == {"hits": 2, "lookups": 3}  # aggregate makes a new object
+    assert both.reduce() == {"lookups": 3, "hits": 3, "evictions": 1, "pool_blocks_used": 2}
+    # What the API process's logger rebuilds from the payload vLLM sent (to_dict, msgpack-safe).
+    rebuilt = GraphChunkConnector.build_kv_connector_stats(both.to_dict())
+    assert rebuilt.data == both.data and not rebuilt.is_empty()
+    assert GraphChunkConnector.build_kv_connector_stats(None).is_empty()
+    both.reset()
+    assert both.is_empty()
+
+
+def test_prometheus_series_are_vllms_kind_names_and_labels():
+    registry = CollectorRegistry()
+    prom = prom_metrics(registry)
+    prom.observe({"counters": {"lookups": 4, "lookup_seconds": 0.25}, "gauges": {"pool_blocks_used": 5}}, 0)
+    prom.observe({"counters": {"lookups": 1}, "gauges": {}}, 0)
     families = {f.name: f for f in registry.collect()}
-    assert families.keys() == {f"graphchunk_{name}" for name in FIELDS}
-    for name, (kind, help_text) in SCHEMA.items():
-        family = families[f"graphchunk_{name}"]
-        assert (family.type, family.documentation) == (kind, help_text)
+    assert families.keys() == {PROMETHEUS_PREFIX + name for name in EXPORTED}
+    assert not {"hit_rate", "pool_utilization"} & set(EXPORTED)  # ratios: PromQL's
+    for name in EXPORTED:
+        kind, help_text = SCHEMA[name]
+        assert (families[PROMETHEUS_PREFIX + name].type, families[PROMETHEUS_PREFIX + name].documentation) == (
+            kind, help_text)
     text = generate_latest(registry).decode()
-    assert 'graphchunk_lookups_total{engine="0"} 4.0' in text and 'graphchunk_lookup_seconds_total{engine="0"} 0.25' in text
-    assert "# TYPE graphchunk_pool_blocks_used gauge" in text and 'graphchunk_hit_rate{engine="0"} 0.75' in text
+    assert 'vllm:graphchunk_lookups_total{engine="0",model_name="m"} 5.0' in text
+    assert 'vllm:graphchunk_lookup_seconds_total{engine="0",model_name="m"} 0.25' in text
+    assert 'vllm:graphchunk_pool_blocks_used{engine="0",model_name="m"} 5.0' in text
 
 
-def test_each_data_parallel_engine_publishes_its_own_series(tmp_path, monkeypatch):
+def test_each_data_parallel_engine_has_its_own_series():
+    """vLLM hands each engine core's stats with its index; each is recorded under its own labels."""
+    registry = CollectorRegistry()
+    prom = prom_metrics(registry, engines=(0, 1, 10))
+    for engine, lookups in ((0, 4), (1, 7), (10, 2)):
+        prom.observe({"counters": {"lookups": lookups}}, engine)
+    [family] = [f for f in registry.collect() if f.name == "vllm:graphchunk_lookups"]
+    assert [(s.labels["engine"], s.value) for s in family.samples if s.name.endswith("_total")] == [
+        ("0", 4.0), ("1", 7.0), ("10", 2.0)]
+
+
+def test_each_engine_publishes_its_pool_to_a_file_of_its_own(tmp_path, monkeypatch):
     """Data-parallel engine cores publish to files of their own (engine_metrics_file, by their
-    data-parallel index); /metrics has one series per engine, labelled as vLLM labels its own."""
+    data-parallel index): what the API process reads the pool's size from."""
     base = str(tmp_path / "metrics.bin")
     monkeypatch.setenv(METRICS_FILE_ENV, base)
     assert engine_metrics_file(0) == base and engine_metrics_file(1) != base
-    registry = CollectorRegistry()
-    registry.register(PrometheusCollector())
-    for engine, lookups in ((0, 4), (1, 7), (10, 2)):
-        m = CacheMetrics()
-        m.lookups = lookups
-        MetricsPublisher(engine_metrics_file(engine)).publish(m)
-    [family] = [f for f in registry.collect() if f.name == "graphchunk_lookups"]
-    assert [(s.labels, s.value) for s in family.samples if s.name.endswith("_total")] == [
-        ({"engine": "0"}, 4.0), ({"engine": "1"}, 7.0), ({"engine": "10"}, 2.0)]
+    for engine, blocks in ((0, 4), (1, 7)):
+        MetricsPublisher(engine_metrics_file(engine), POOL_FIELDS).publish(CacheMetrics(pool_blocks_total=blocks))
+    assert [read_published(engine_metrics_file(e))["pool_blocks_total"] for e in (0, 1)] == [4, 7]
+
+
+def test_the_dashboard_queries_only_exported_series_by_their_kind():
+    """deploy/grafana/graphchunk-dashboard.json (the live check that every series exists is in test_server):
+    graphchunk's counters are read through rate() under their _total name, its gauges as they are."""
+    import json
+    import re
+    from pathlib import Path
+
+    dashboard = json.loads((Path(__file__).resolve().parents[1] / "deploy" / "grafana" / "graphchunk-dashboard.json").read_text())
+    exprs = [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
+    names = {m for expr in exprs for m in re.findall(rf"{re.escape(PROMETHEUS_PREFIX)}\w+", expr)}
+    wanted = {PROMETHEUS_PREFIX + n + ("_total" if SCHEMA[n][0] == "counter" else "") for n in EXPORTED}
+    assert names and names <= wanted, sorted(names - wanted)
+    counters = {PROMETHEUS_PREFIX + n + "_total" for n in EXPORTED if SCHEMA[n][0] == "counter"}
+    for expr in exprs:  # a counter is only ever rated
+        for counter in set(re.findall(rf"{re.escape(PROMETHEUS_PREFIX)}\w+", expr)) & counters:
+            assert re.search(rf"rate\({re.escape(counter)}\{{", expr), (counter, expr)

@@ -126,7 +126,7 @@ def counts(fleet, *names: str) -> list[tuple[float, ...]]:
     out = []
     for server in fleet.servers:
         found = server.metrics()
-        out.append(tuple(found.get(f"graphchunk_{name}_total", 0.0) for name in names))
+        out.append(tuple(found.get(f"vllm:graphchunk_{name}_total", 0.0) for name in names))
     return out
 
 

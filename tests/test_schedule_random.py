@@ -37,6 +37,7 @@ from types import SimpleNamespace
 import pytest
 
 from graphchunk.engine.frontend import chunk_request
+from graphchunk.metrics import EXPORTED, POOL_FIELDS, WORKER_FIELDS
 from schedule_harness import STEPS, Stream, Steps, Workers, accounting, check_blocks
 
 SEEDS = int(os.environ.get("GRAPHCHUNK_SCHEDULE_SEEDS", 24))
@@ -135,6 +136,13 @@ def run_stream(vllm_scheduler, seed: int, asynchronous: bool) -> dict[str, int]:
     assert all(not engine.loads and not engine.runner.pending_tokens for engine in workers.engines)
     metrics = workers.engines[0].metrics
     assert metrics.hits and metrics.misses and len(added) > 20
+    # What /metrics would show, as vLLM's scheduler stats carried it: every counter's increments sum to
+    # its value (the pool's from the scheduler, the rest from rank 0's worker, counted once), every
+    # gauge its last value.
+    now = {**{name: getattr(metrics, name) for name in WORKER_FIELDS},
+           **{name: getattr(context.metrics, name) for name in POOL_FIELDS}}
+    reported = {**steps.reported.data.get("counters", {}), **steps.reported.data.get("gauges", {})}
+    assert {name: reported.get(name, 0) for name in EXPORTED} == {name: now[name] for name in EXPORTED}
     return aborts
 
 

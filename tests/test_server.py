@@ -10,6 +10,7 @@ import re
 import time
 import urllib.parse
 import urllib.request
+from pathlib import Path
 
 import pytest
 from pydoc_data.topics import topics
@@ -20,9 +21,12 @@ from exactness import MAX_TOKENS, blend_reference, string_parts_render
 from graphchunk.documents import DOCUMENT_PART, document_messages, hf_render, place_document_parts, place_documents
 from graphchunk.engine.frontend import SEPARATOR_ARG
 from graphchunk.layout import Layout
+from graphchunk.metrics import EXPORTED, PROMETHEUS_PREFIX, SCHEMA
 from graphchunk.reference import models
 from graphchunk.segments import SeparatorSplitter, split_at
 from graphchunk.tools.serve_demo import SERVER_FLAGS, VllmServer
+
+REPO = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.slow
 
@@ -108,24 +112,24 @@ def test_separators_in_text_match_oracle_and_reuse_hits(server, oracle, splitter
     first = server.metrics() if _published(server) else {}
     tokens = check_text_prompt(server, oracle, splitter, tokenizer, rag_text(DOCS))
     after_first = server.metrics()
-    assert after_first["graphchunk_misses_total"] - first.get("graphchunk_misses_total", 0) == len(DOCS)
+    assert after_first["vllm:graphchunk_misses_total"] - first.get("vllm:graphchunk_misses_total", 0) == len(DOCS)
 
     # The same prompt again: the same answer, nothing computed again (vLLM's prefix cache may
     # serve the leading full blocks, graphchunk the rest).
     assert generated(server, rag_text(DOCS), vllm_xargs=SEPARATED)[1] == tokens
     after_repeat = server.metrics()
-    assert after_repeat["graphchunk_misses_total"] == after_first["graphchunk_misses_total"]
+    assert after_repeat["vllm:graphchunk_misses_total"] == after_first["vllm:graphchunk_misses_total"]
 
     # Reordered documents: another layout (so no prefix-cache hit past sys), every chunk a hit.
     reordered = rag_text(DOCS[::-1])
     check_text_prompt(server, oracle, splitter, tokenizer, reordered)
     after_reorder = server.metrics()
-    assert after_reorder["graphchunk_hits_total"] - after_repeat["graphchunk_hits_total"] == len(DOCS)
-    assert after_reorder["graphchunk_misses_total"] == after_repeat["graphchunk_misses_total"]
-    assert after_reorder["graphchunk_tokens_reused_total"] > after_repeat["graphchunk_tokens_reused_total"]
+    assert after_reorder["vllm:graphchunk_hits_total"] - after_repeat["vllm:graphchunk_hits_total"] == len(DOCS)
+    assert after_reorder["vllm:graphchunk_misses_total"] == after_repeat["vllm:graphchunk_misses_total"]
+    assert after_reorder["vllm:graphchunk_tokens_reused_total"] > after_repeat["vllm:graphchunk_tokens_reused_total"]
     # Its question step is counted, by how vLLM ran it: this server runs --enforce-eager (SERVER_FLAGS),
     # so without a graph (graphchunk captures none of its own).
-    counted = {kind: after_reorder[f"graphchunk_graph_{kind}_total"] - after_repeat[f"graphchunk_graph_{kind}_total"]
+    counted = {kind: after_reorder[f"vllm:graphchunk_graph_{kind}_total"] - after_repeat[f"vllm:graphchunk_graph_{kind}_total"]
                for kind in ("replays", "padded", "eager")}
     assert counted["eager"] >= 1 and counted["replays"] == counted["padded"] == 0
 
@@ -167,7 +171,7 @@ def test_unmarked_requests_run_exactly_as_vanilla(server, oracle, tokenizer):
     reused), answer HF's causal forward token for token, and graphchunk looks nothing up."""
     def lookups():
         found = server.metrics()
-        return found.get("graphchunk_lookups_total", 0), found.get("graphchunk_blend_lookups_total", 0)
+        return found.get("vllm:graphchunk_lookups_total", 0), found.get("vllm:graphchunk_blend_lookups_total", 0)
 
     before = lookups()
     client = sdk(server)
@@ -214,13 +218,13 @@ def test_blend_mode_through_the_server(server, oracle, tokenizer):
     prompt_ids, tokens = generated(server, rag_text(DOCS), vllm_xargs={**full, **SEPARATED}, ignore_eos=True)
     assert tokens == oracle.causal_generate(prompt_ids, MAX_TOKENS)[0]
     after = server.metrics()
-    assert after["graphchunk_blend_misses_total"] - before.get("graphchunk_blend_misses_total", 0) == len(DOCS)
+    assert after["vllm:graphchunk_blend_misses_total"] - before.get("vllm:graphchunk_blend_misses_total", 0) == len(DOCS)
     other_sys = " ## ".join(["Answer briefly.", *DOCS[::-1], QUESTION])
     generated(server, other_sys, vllm_xargs={"graphchunk_mode": "blend", "graphchunk_recompute": "legolink", **SEPARATED})
     again = server.metrics()
-    assert again["graphchunk_blend_hits_total"] - after["graphchunk_blend_hits_total"] == len(DOCS)
-    assert again["graphchunk_blend_misses_total"] == after["graphchunk_blend_misses_total"]
-    assert again["graphchunk_blend_tokens_recomputed_total"] > after["graphchunk_blend_tokens_recomputed_total"]
+    assert again["vllm:graphchunk_blend_hits_total"] - after["vllm:graphchunk_blend_hits_total"] == len(DOCS)
+    assert again["vllm:graphchunk_blend_misses_total"] == after["vllm:graphchunk_blend_misses_total"]
+    assert again["vllm:graphchunk_blend_tokens_recomputed_total"] > after["vllm:graphchunk_blend_tokens_recomputed_total"]
 
 
 # --- bad input: a 4xx naming the problem, and the server keeps serving --------------------------
@@ -319,7 +323,7 @@ def test_cache_salt_tenants_never_share_chunks(server, oracle, splitter, tokeniz
         before = server.metrics()
         assert generated(server, texts[which], cache_salt=salt, vllm_xargs=SEPARATED)[1] == expected[which], salt
         after = server.metrics()
-        moves.append(tuple(after[f"graphchunk_{name}_total"] - before.get(f"graphchunk_{name}_total", 0)
+        moves.append(tuple(after[f"vllm:graphchunk_{name}_total"] - before.get(f"vllm:graphchunk_{name}_total", 0)
                            for name in ("misses", "hits", "tier_hits")))
     assert moves == [(2, 0, 0), (2, 0, 0), (0, 2, 0), (0, 2, 0)]
 
@@ -327,39 +331,58 @@ def test_cache_salt_tenants_never_share_chunks(server, oracle, splitter, tokeniz
 # --- metrics -------------------------------------------------------------------------------------
 
 def _published(server) -> bool:
-    return "graphchunk_lookups_total" in server.metrics()
+    return "vllm:graphchunk_lookups_total" in server.metrics()
 
 
 def test_metrics_are_exported(server):
-    generated(server, rag_text(DOCS[:2]), vllm_xargs=SEPARATED)  # the worker publishes after each step
+    """graphchunk's series come through vLLM's connector metrics path: named and labelled as
+    vLLM's own, counters and gauges as the schema declares them, ratios left to PromQL."""
+    generated(server, rag_text(DOCS[:2]), vllm_xargs=SEPARATED)
     found = server.metrics()
-    for name in ("graphchunk_lookups_total", "graphchunk_hits_total", "graphchunk_misses_total",
-                 "graphchunk_evictions_total", "graphchunk_tokens_reused_total",
-                 "graphchunk_tokens_computed_total", "graphchunk_pool_utilization",
-                 "graphchunk_pool_blocks_used", "graphchunk_pool_blocks_total", "graphchunk_hit_rate"):
-        assert name in found, sorted(found)
-    for name in ("graphchunk_tier_hits_total", "graphchunk_tier_writes_total", "graphchunk_tier_rejected_total",
-                 "graphchunk_tier_bytes_written_total", "graphchunk_tier_bytes", "graphchunk_pool_refs_held",
-                 "graphchunk_pool_blocks_leaked"):
-        assert name in found, sorted(found)
-    assert found["graphchunk_lookups_total"] == (found["graphchunk_hits_total"] + found["graphchunk_misses_total"]
-                                                 + found["graphchunk_tier_hits_total"])
-    assert found["graphchunk_tier_writes_total"] > 0 and found["graphchunk_tier_bytes"] > 0
-    assert found["graphchunk_pool_refs_held"] == found["graphchunk_pool_blocks_leaked"] == 0
-    assert found["graphchunk_pool_blocks_total"] == GC["pool_tokens"] // 32
-    assert 0 < found["graphchunk_pool_utilization"] <= 1
+    exported = {PROMETHEUS_PREFIX + name + ("_total" if SCHEMA[name][0] == "counter" else "") for name in EXPORTED}
+    assert exported <= set(found), sorted(exported - set(found))
+    assert not {f"{PROMETHEUS_PREFIX}hit_rate", f"{PROMETHEUS_PREFIX}pool_utilization"} & set(found)
+    assert found["vllm:graphchunk_lookups_total"] == (found["vllm:graphchunk_hits_total"]
+                                                      + found["vllm:graphchunk_misses_total"]
+                                                      + found["vllm:graphchunk_tier_hits_total"]) > 0
+    assert found["vllm:graphchunk_tier_writes_total"] > 0 and found["vllm:graphchunk_tier_bytes"] > 0
+    assert found["vllm:graphchunk_pool_refs_held"] == found["vllm:graphchunk_pool_blocks_leaked"] == 0
+    assert found["vllm:graphchunk_pool_blocks_total"] == GC["pool_tokens"] // 32
+    assert 0 < found["vllm:graphchunk_pool_blocks_used"] <= found["vllm:graphchunk_pool_blocks_total"]
+    text = metrics_text(server)
+    assert re.search(rf'^vllm:graphchunk_lookups_total{{engine="0",model_name="{re.escape(server.model)}"}} ', text,
+                     re.M), text[:2000]
     # graphchunk's start-up lines reach the server's log, in vLLM's format (its logger is vLLM's child)
     log = server.log_path.read_text(errors="replace")
     assert f"graphchunk: chunk pool of {GC['pool_tokens'] // 32} blocks" in log, server.log_tail()
     assert "graphchunk: persistent chunk tier at" in log, server.log_tail()
 
 
+def test_every_series_the_dashboard_queries_exists(server):
+    """deploy/grafana/graphchunk-dashboard.json queries only series a graphchunk server exports (its own
+    and vLLM's), each with the ``model_name`` label its panels select by."""
+    generated(server, rag_text(DOCS[:2]), vllm_xargs=SEPARATED)
+    dashboard = json.loads((REPO / "deploy" / "grafana" / "graphchunk-dashboard.json").read_text())
+    exprs = [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
+    exprs.append(next(v["query"] for v in dashboard["templating"]["list"] if v["name"] == "model_name"))
+    queried = {name for expr in exprs for name in re.findall(r"\b(vllm:\w+)", expr)}
+    assert any(name.startswith(PROMETHEUS_PREFIX) for name in queried) and len(exprs) > 10
+    text = metrics_text(server)
+    missing = [name for name in sorted(queried)
+               if not re.search(rf'^{re.escape(name)}{{[^}}]*model_name="{re.escape(server.model)}"', text, re.M)]
+    assert not missing, f"the dashboard queries series /metrics does not have: {missing}"
+
+
+def metrics_text(server) -> str:
+    with urllib.request.urlopen(server.url + "/metrics", timeout=30) as resp:
+        return resp.read().decode()
+
+
 # --- requests that leave early -----------------------------------------------------------------
 
 def vllm_samples(server, name: str) -> float:
     """vLLM's own metric ``name`` on /metrics (summed over its label sets)."""
-    with urllib.request.urlopen(server.url + "/metrics", timeout=30) as resp:
-        text = resp.read().decode()
+    text = metrics_text(server)
     return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
 
 
@@ -393,12 +416,12 @@ def test_requests_cancelled_while_waiting_for_misses_give_the_kv_cache_back(serv
     (before, a request cancelled while waiting for its misses kept its blocks for good: the usage
     stayed up with nothing running, and long prompts stopped being admitted)."""
     idle = settled(server, 60)
-    misses = server.metrics()["graphchunk_misses_total"]
+    misses = server.metrics()["vllm:graphchunk_misses_total"]
     completed = vllm_samples(server, "vllm:request_success_total")  # (a cancelled request is not counted)
     conns = [streamed(server, rag_text([f"Note {i}-{k}: " + words(topic, 80) for k, topic in enumerate(("for", "while"))]))
              for i in range(16)]
     deadline = time.monotonic() + 120
-    while server.metrics()["graphchunk_misses_total"] < misses + 16 and time.monotonic() < deadline:
+    while server.metrics()["vllm:graphchunk_misses_total"] < misses + 16 and time.monotonic() < deadline:
         time.sleep(0.2)  # polls: 8 of them planned
     for conn in conns:
         conn.close()
@@ -452,7 +475,7 @@ def sdk_answers(server, tokenizer, messages, body: dict, stream: bool, prompt_id
 
 def moved(server, before: dict, *names: str) -> tuple[float, ...]:
     after = server.metrics()
-    return tuple(after[f"graphchunk_{n}_total"] - before.get(f"graphchunk_{n}_total", 0) for n in names)
+    return tuple(after[f"vllm:graphchunk_{n}_total"] - before.get(f"vllm:graphchunk_{n}_total", 0) for n in names)
 
 
 def test_documents_through_the_openai_sdk_match_the_oracle_and_hit_reordered(server, oracle, tokenizer):

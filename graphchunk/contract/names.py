@@ -332,6 +332,26 @@ def _entries() -> tuple[Name, ...]:
           "attribute", CN, RETRY + " (graphchunk's connector inside MultiConnector)"))
     add(n("vllm.distributed.kv_transfer.kv_connector.v1.multi_connector", "MultiKVConnectorWorkerMetadata.metadata",
           "field", CN, RETRY + " (graphchunk's workers' report inside MultiConnector's)"))
+    STATS = ("graphchunk's counters on vLLM's /metrics through vLLM's KV-connector metrics path "
+             "(connector_stats.py): labelled as vLLM's own, in its registry, across API servers")
+    CST, KVM = "graphchunk/engine/connector_stats.py", "vllm.distributed.kv_transfer.kv_connector.v1.metrics"
+    for method, params in (("get_kv_connector_stats", ()), ("build_kv_connector_stats", ("data",)),
+                           ("build_prom_metrics", ("vllm_config", "metric_types", "labelnames",
+                                                   "per_engine_labelvalues"))):
+        add(n(KVC, f"KVConnectorBase_V1.{method}", "override", CN, STATS, params, public=True))
+    for cls in ("KVConnectorStats", "KVConnectorPromMetrics"):
+        add(n(KVM, cls, "import", CST, STATS))
+        add(n(KVM, cls, "subclass", CST, STATS))
+    for method, params in (("aggregate", ("other",)), ("reset", ()), ("reduce", ()), ("is_empty", ())):
+        add(n(KVM, f"KVConnectorStats.{method}", "override", CST, STATS, params))
+    add(n(KVM, "KVConnectorStats.data", "field", CST, STATS))
+    add(n(KVM, "KVConnectorPromMetrics.__init__", "call", CST, STATS,
+          ("vllm_config", "metric_types", "labelnames", "per_engine_labelvalues")))
+    add(n(KVM, "KVConnectorPromMetrics.observe", "override", CST, STATS, ("transfer_stats_data", "engine_idx"),
+          ("vllm.distributed.kv_transfer.kv_connector.v1.metrics:KVConnectorProm",)))
+    for attr in ("_counter_cls", "_gauge_cls"):
+        add(n(KVM, f"KVConnectorPromMetrics.{attr}", "attribute", CST, STATS + " (the Prometheus classes vLLM "
+              "chose: its own, or Ray's wrappers)"))
     add(n("vllm.distributed.kv_transfer.kv_connector.factory", "KVConnectorFactory", "import", CN, CONNECTOR))
     add(n("vllm.distributed.kv_transfer.kv_connector.factory", "KVConnectorFactory.register_connector", "call",
           CN, CONNECTOR + " (by name, so that MultiConnector's children may name it)",

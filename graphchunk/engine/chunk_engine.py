@@ -52,7 +52,7 @@ from graphchunk.engine.frontend import UNCHUNKED_ARG, ChunkRequest
 from graphchunk.engine.runner_kv import RunnerKV
 from graphchunk.engine.step_plan import StepPlan, plan_step
 from graphchunk.graphs.bucket_counts import BucketCounts
-from graphchunk.metrics import CacheMetrics, MetricsPublisher
+from graphchunk.metrics import CacheMetrics, MetricsPublisher, StatsReport
 
 
 @dataclasses.dataclass
@@ -69,7 +69,10 @@ class ChunkEngine:
     counts: BucketCounts | None = None
     """The grid's bucket counts (``graphchunk.templates``); None: no grid."""
     publisher: MetricsPublisher | None = None
-    """Publishes the metrics after every step for the API process's /metrics; None: nobody reads them."""
+    """Publishes the metrics after every step for ``GraphChunkLLM.stats()``; None: nobody reads them."""
+    report: StatsReport | None = None
+    """The worker's metrics for vLLM's stats (the connector's ``get_kv_connector_stats``); None on
+    tensor-parallel ranks past the first, which count the same steps."""
     requests: dict[str, ChunkRequest] = dataclasses.field(default_factory=dict)
     """The segmented requests the worker holds, by id (from the step that first schedules them to
     the step that names them finished)."""

@@ -44,6 +44,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from graphchunk.config import ConfigError, GraphChunkConfig
 from graphchunk.engine import fill_retry
+from graphchunk.engine.connector_stats import GraphChunkPromMetrics, GraphChunkStats, take_stats
 from graphchunk.engine.context_scheduler import ContextScheduler, PoolHandshake, StepWork
 
 KV_CONNECTOR = "GraphChunkConnector"
@@ -171,12 +172,28 @@ class GraphChunkConnector(KVConnectorBase_V1):
         """Keeps vLLM's engine stepping while the workers hold miss jobs not yet reported run (those
         of a request that left while waiting for them, or of a full prefill's entries): an idle
         engine runs no step, so they would keep their pool entries referenced until the next request
-        (``graphchunk_pool_refs_held`` above 0 with nothing running). Each such step runs jobs at
+        (``vllm:graphchunk_pool_refs_held`` above 0 with nothing running). Each such step runs jobs at
         ``max_num_batched_tokens`` (nothing else runs)."""
         return self._scheduler is not None and self._scheduler.planner.has_jobs
 
     def take_events(self):
         return self._scheduler.take_events() if self._scheduler is not None else ()
+
+    def get_kv_connector_stats(self) -> GraphChunkStats | None:
+        """What changed in graphchunk's metrics since the last call (``connector_stats.py``): the
+        pool's, on the scheduler's side; the worker's, on rank 0's worker."""
+        if self._scheduler is not None:
+            return take_stats(self._scheduler.report)
+        engine = WORKER.engine
+        return take_stats(engine.report) if engine is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> GraphChunkStats:
+        return GraphChunkStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> GraphChunkPromMetrics:
+        return GraphChunkPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def reset_cache(self) -> bool:
         self._context().reset()

@@ -97,7 +97,7 @@ from graphchunk.config import GraphChunkConfig
 from graphchunk.engine.frontend import ChunkRequest, chunk_request, one_tenant
 from graphchunk.engine.kv_events import PoolEvents
 from graphchunk.log import logger
-from graphchunk.metrics import POOL_FIELDS, CacheMetrics, MetricsPublisher, engine_metrics_file
+from graphchunk.metrics import POOL_FIELDS, CacheMetrics, MetricsPublisher, StatsReport, engine_metrics_file
 
 MAX_FILL_RETRIES = 8
 """Times a request whose context read KV that failed its check is planned again before it fails.
@@ -206,7 +206,9 @@ class ContextScheduler:
         pool.listener = self.events
         path = engine_metrics_file(engine)
         self.publisher = MetricsPublisher(path, POOL_FIELDS) if path else None
-        """Publishes the pool's metrics for the API process's /metrics (the workers publish theirs)."""
+        """Publishes the pool's metrics for the API process (``plugin.published_pool``) and ``GraphChunkLLM.stats()``."""
+        self.report = StatsReport(self.metrics, POOL_FIELDS)
+        """The pool's metrics for vLLM's stats (the connector's ``get_kv_connector_stats``)."""
         if config.blend_entries == "context":
             logger.info("graphchunk: blend_entries 'context': a blend request's full prefill becomes blend entries "
                         "only when it carries a cache_salt, and only requests with the same cache_salt read them "

@@ -29,7 +29,7 @@ from graphchunk.engine.runner_kv import WARM_UP_QUESTION, RunnerKV
 from graphchunk.graphs.bucket_counts import BucketCounts
 from graphchunk.graphs.buckets import load_grid
 from graphchunk.log import logger
-from graphchunk.metrics import WORKER_FIELDS, CacheMetrics, MetricsPublisher, engine_metrics_file
+from graphchunk.metrics import WORKER_FIELDS, CacheMetrics, MetricsPublisher, StatsReport, engine_metrics_file
 
 
 def grown_kv_cache_config(vllm_config, kv_cache_config, extra: int):
@@ -53,6 +53,7 @@ def bind_engine(runner, config: GraphChunkConfig, first_pool_block: int) -> Chun
     groups = runner.kv_cache_config.kv_cache_groups
     if len(groups) != 1 or any(g.kernel_block_size for g in runner.attn_groups[0]):
         raise ConfigError("graphchunk supports models whose layers share one full-attention KV cache group")
+    from vllm.distributed import get_tensor_model_parallel_rank
     from vllm.model_executor.models.utils import extract_layer_index
 
     # In model order, so that the copier's layer i (CacheBlend's check layer) is decoder layer i.
@@ -82,7 +83,8 @@ def bind_engine(runner, config: GraphChunkConfig, first_pool_block: int) -> Chun
     logger.info("graphchunk: chunk pool of %d blocks (%d tokens) at block ids [%d, %d)", pool_blocks,
                 pool_blocks * block_size, first_pool_block, first_pool_block + pool_blocks)
     engine = ChunkEngine(config, metrics, context_runner, RunnerKV(runner, copier, blend, layers), handshake,
-                         max_tokens, counts, MetricsPublisher(path, WORKER_FIELDS) if path else None)
+                         max_tokens, counts, MetricsPublisher(path, WORKER_FIELDS) if path else None,
+                         StatsReport(metrics, WORKER_FIELDS) if get_tensor_model_parallel_rank() == 0 else None)
     warm = min(256, model.max_model_len, max_tokens)  # one forward
     if blend.refusal is None and pool_blocks * block_size >= warm > WARM_UP_QUESTION:
         start = time.perf_counter()

@@ -20,7 +20,7 @@ def register() -> None:
 
     if getattr(InputProcessor.process_inputs, "_graphchunk", False):
         return
-    _export_metrics()
+    _name_metrics_file()
     original = InputProcessor.process_inputs
     RequestError = _request_error_class()
 
@@ -312,17 +312,15 @@ def published_pool(vllm_config, settings, path: str | None):
     return pool_size
 
 
-def _export_metrics() -> None:
-    """In a main process (the API server, or a program using GraphChunkLLM): name a fresh
-    metrics file for the worker to publish to, and serve it on /metrics. vLLM's engine-core and
-    worker processes are multiprocessing children: they inherit the name instead."""
+def _name_metrics_file() -> None:
+    """In a main process (the API server, or a program using GraphChunkLLM): name a fresh metrics
+    file for the engine to publish its pool to (``published_pool``, ``GraphChunkLLM.stats``).
+    vLLM's engine-core and worker processes are multiprocessing children: they inherit the name
+    instead. /metrics gets graphchunk's counters through vLLM's connector metrics path
+    (``connector_stats.py``), not from this file."""
     import multiprocessing
 
     from graphchunk import metrics
 
-    if multiprocessing.parent_process() is not None:
-        return
-    metrics.new_metrics_file()
-    from prometheus_client import REGISTRY
-
-    REGISTRY.register(metrics.PrometheusCollector())
+    if multiprocessing.parent_process() is None:
+        metrics.new_metrics_file()

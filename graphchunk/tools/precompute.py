@@ -35,7 +35,7 @@ for the server's documents requests and ``GraphChunkLLM.chat(documents=...)``; t
 chunks hit behind the same system message. ``--format chat`` is its earlier name. Files are
 specific to the engine's model weights, dtype, block size and tensor-parallel layout: start it
 with the server's (a file made under another is ignored and counted in
-``graphchunk_tier_rejected_total``).
+``vllm:graphchunk_tier_rejected_total``).
 """
 from __future__ import annotations
 

@@ -34,6 +34,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from graphchunk.metrics import PROMETHEUS_PREFIX
+
 SERVER_FLAGS = ["--enforce-eager", "--gpu-memory-utilization", "0.3", "--kv-cache-memory-bytes", str(1 << 30)]
 """Lean defaults for the tests' servers on a small CPU machine (eager, 1 GiB of KV cache)."""
 DEMO_FLAGS = ("--kv-cache-memory-bytes", "4294967296")
@@ -204,7 +206,7 @@ class VllmServer:
         return {"text": "".join(pieces), "ttft": ttft, "total": time.perf_counter() - start}
 
     def metrics(self) -> dict[str, float]:
-        """The ``graphchunk_*`` samples of /metrics, by name, summed over engine cores (one
+        """graphchunk's samples of /metrics, by name, summed over engine cores (one
         without data parallelism)."""
         found: dict[str, float] = {}
         for samples in self.engine_metrics().values():
@@ -213,15 +215,17 @@ class VllmServer:
         return found
 
     def engine_metrics(self) -> dict[str, dict[str, float]]:
-        """The ``graphchunk_*`` samples of /metrics by engine core (label ``engine``), then name."""
+        """graphchunk's samples of /metrics (``vllm:graphchunk_*``) by engine core (label
+        ``engine``), then name; prometheus_client's ``_created`` stamps left out."""
         with urllib.request.urlopen(self.url + "/metrics", timeout=30) as resp:
             text = resp.read().decode()
         found: dict[str, dict[str, float]] = {}
         for line in text.splitlines():
-            match = re.match(r'^(graphchunk_\w+)(?:\{engine="(\d+)"\})? (\S+)$', line)
-            if match:
-                name, engine, value = match.groups()
-                found.setdefault(engine or "0", {})[name] = float(value)
+            match = re.match(rf'^({re.escape(PROMETHEUS_PREFIX)}\w+)\{{([^}}]*)\}} (\S+)$', line)
+            if match and not match.group(1).endswith("_created"):
+                name, labels, value = match.groups()
+                engine = re.search(r'engine="(\d+)"', labels)
+                found.setdefault(engine.group(1) if engine else "0", {})[name] = float(value)
         return found
 
 
@@ -248,9 +252,9 @@ def _native_bf16() -> bool:
     return True
 
 
-METRIC_COLUMNS = (("hits", "graphchunk_hits_total"), ("misses", "graphchunk_misses_total"),
-                  ("tokens reused", "graphchunk_tokens_reused_total"),
-                  ("tokens computed", "graphchunk_tokens_computed_total"))
+METRIC_COLUMNS = (("hits", "vllm:graphchunk_hits_total"), ("misses", "vllm:graphchunk_misses_total"),
+                  ("tokens reused", "vllm:graphchunk_tokens_reused_total"),
+                  ("tokens computed", "vllm:graphchunk_tokens_computed_total"))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -324,7 +328,8 @@ def run_workload(server: VllmServer, model: str, docs: dict[str, str], max_token
         print(f"  graphchunk metrics:  {delta}\n", flush=True)
         before = server.metrics()
     totals = ", ".join(f"{label} {before.get(key, 0):.0f}" for label, key in METRIC_COLUMNS)
-    print(f"totals: {totals}, pool utilization {before.get('graphchunk_pool_utilization', 0):.1%}")
+    used, pool = before.get("vllm:graphchunk_pool_blocks_used", 0), before.get("vllm:graphchunk_pool_blocks_total", 0)
+    print(f"totals: {totals}, pool utilization {used / pool if pool else 0:.1%}")
 
 
 def warm_up(server: VllmServer, model: str, docs: dict[str, str]) -> None:

@@ -197,10 +197,12 @@ def versions() -> dict:
     import torch
     import vllm
 
+    from perf.common.freshness import code_digest
+
     commit, dirty = git_state("graphchunk")
     env = {k: v for k, v in os.environ.items() if k.startswith(("VLLM_CPU", "OMP_", "KMP_", "LD_PRELOAD"))}
     return dict(python=sys.version.split()[0], torch=torch.__version__, vllm=vllm.__version__,
-                graphchunk_commit=commit, graphchunk_dirty=dirty, env=env)
+                graphchunk_commit=commit, graphchunk_dirty=dirty, graphchunk_code=code_digest(), env=env)
 
 
 class RunClock:

@@ -20,6 +20,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from perf.common import freshness
 from perf.common.harness import REPO
 
 RESULTS = REPO / "perf" / "results"
@@ -43,10 +44,6 @@ UNRECORDED = {  # result files that record no command: (group, the command, wher
     "gpu_kv.json": ("gpu", "python perf/gpu/gpu_kv.py --device cuda", "on a lent GPU machine; docs/gpu.md"),
     "gpu_kv_h100.json": ("gpu", "python perf/gpu/gpu_kv.py --device cuda --out perf/results/gpu_kv_h100.json",
                          "on a lent H100; docs/gpu.md"),
-    "ttft_cpu.json": ("serving", ".venv/bin/python -m perf.serving.bench_ttft --chunks 8 --chunk-tokens 512 "
-                                 "--sys-tokens 32 --question-tokens 64 --repeats 8 --warmup 1 --dtype bfloat16 "
-                                 "--sweep 1,2,4,8 --out perf/results/ttft_cpu.json --plot perf/results/ttft_cpu.png",
-                      "docs/benchmarks.md, Time to first token"),
     "templates.json": ("micro", None, "a historical record: the graph templates it measured were removed "
                                       "(docs/benchmarks.md, graphchunk's own graph templates, removed)"),
     "demo_blend_context.log": ("serving", "make demo", "against a server with blend_entries context; docs/benchmarks.md"),
@@ -82,26 +79,31 @@ def cited_by(names: list[str]) -> dict[str, list[str]]:
     return {name: [page for page, text in pages.items() if name in text] for name in names}
 
 
-def rows() -> list[tuple[str, list[str], str | None, str, list[str]]]:
-    """(group, the row's files, command, a note, citing pages), a row per JSON (its plot and log
-    beside it) and per file recorded in ``UNRECORDED``, by group then name."""
+def rows() -> list[tuple[str, list[str], str | None, str, list[str], str]]:
+    """(group, the row's files, command, a note, citing pages, the code it measured: current,
+    stale, pending or unrecorded, ``freshness.py``), a row per JSON (its plot and log beside it)
+    and per file recorded in ``UNRECORDED``, by group then name."""
     files = sorted(f.name for f in RESULTS.iterdir() if f.is_file())
     citing, out, placed = cited_by(files), [], set()
+    now, acks = freshness.code_digest(), freshness.load_acks()
     for name in files:
         if name in placed or not name.endswith(".json") and name not in UNRECORDED:
             continue
         beside = [n for n in files if n != name and Path(n).stem == Path(name).stem and n not in UNRECORDED]
         note = ""
+        result = json.loads((RESULTS / name).read_text()) if name.endswith(".json") else {}
         if name in UNRECORDED:
             group, command, note = UNRECORDED[name]
         else:
-            recorded = json.loads((RESULTS / name).read_text()).get("command")
-            if not recorded:
+            if not result.get("command"):
                 raise ValueError(f"perf/results/{name} records no command: add it to UNRECORDED with its command")
-            command = current_command(recorded, name)
+            command = current_command(result["command"], name)
             group = group_of(command)
+        code = freshness.verdict(result, group, now, acks)
+        code = "pending" if code != "current" and name in acks["pending"] else code
         placed.update([name, *beside])
-        out.append((group, [name, *beside], command, note, sorted({p for n in (name, *beside) for p in citing[n]})))
+        out.append((group, [name, *beside], command, note, sorted({p for n in (name, *beside) for p in citing[n]}),
+                    code))
     left = sorted(set(files) - placed)
     if left:
         raise ValueError(f"perf/results/ files in no row (no JSON of their name, not in UNRECORDED): {left}")
@@ -111,12 +113,12 @@ def rows() -> list[tuple[str, list[str], str | None, str, list[str]]]:
 
 def table(found: list) -> str:
     """The index as a Markdown table of ``rows()``' result."""
-    lines = ["| question | files | command | cited in |", "|---|---|---|---|"]
-    for group, files, command, note, pages in found:
+    lines = ["| question | files | command | cited in | code measured |", "|---|---|---|---|---|"]
+    for group, files, command, note, pages, code in found:
         cell = f"`{command}`".replace("|", "\\|") if command else ""
         cell = f"{cell} ({note})" if command and note else cell or note
         lines.append(f"| {group}: {QUESTIONS[group]} | {', '.join(f'`{f}`' for f in files)} | {cell} | "
-                     f"{', '.join(pages) or '—'} |")
+                     f"{', '.join(pages) or '—'} | {code} |")
     return "\n".join(lines)
 
 

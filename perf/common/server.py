@@ -23,17 +23,18 @@ import threading
 import time
 from pathlib import Path
 
+from graphchunk.metrics import PROMETHEUS_PREFIX
 from graphchunk.tools.serve_demo import SERVER_FLAGS, VllmServer
 
 TIER_SUFFIX = ".gckv"
-LEAK_GAUGES = ("graphchunk_pool_refs_held", "graphchunk_pool_blocks_leaked")
+LEAK_GAUGES = ("vllm:graphchunk_pool_refs_held", "vllm:graphchunk_pool_blocks_leaked")
 KV_USAGE = "vllm:kv_cache_usage_perc"
 """vLLM's KV-cache usage: 0 once every request has given its blocks back (cached blocks count as free)."""
-TIER_COUNTERS = ("graphchunk_tier_hits_total", "graphchunk_tier_writes_total", "graphchunk_tier_rejected_total")
-COUNTERS = ("graphchunk_lookups_total", "graphchunk_hits_total", "graphchunk_misses_total",
-            "graphchunk_evictions_total", "graphchunk_tokens_reused_total", "graphchunk_tokens_computed_total",
-            *TIER_COUNTERS, "graphchunk_tier_loads_total", "graphchunk_tier_evictions_total",
-            "graphchunk_tier_write_errors_total")
+TIER_COUNTERS = ("vllm:graphchunk_tier_hits_total", "vllm:graphchunk_tier_writes_total", "vllm:graphchunk_tier_rejected_total")
+COUNTERS = ("vllm:graphchunk_lookups_total", "vllm:graphchunk_hits_total", "vllm:graphchunk_misses_total",
+            "vllm:graphchunk_evictions_total", "vllm:graphchunk_tokens_reused_total", "vllm:graphchunk_tokens_computed_total",
+            *TIER_COUNTERS, "vllm:graphchunk_tier_loads_total", "vllm:graphchunk_tier_evictions_total",
+            "vllm:graphchunk_tier_write_errors_total")
 
 
 def scrape(url: str, timeout: float = 30.0) -> list[tuple[str, dict[str, str], float]]:
@@ -250,7 +251,10 @@ class Servers:
     def metrics(self) -> dict[str, float]:
         """graphchunk's samples and the vLLM ones this run reads, by name (labels summed)."""
         samples = scrape(self.current.url)
-        found = {n: v for n, _, v in samples if n.startswith("graphchunk_")}
+        found: dict[str, float] = {}
+        for name, _, value in samples:  # every engine's series summed; prometheus_client's _created stamps left out
+            if name.startswith(PROMETHEUS_PREFIX) and not name.endswith("_created"):
+                found[name] = found.get(name, 0.0) + value
         for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
                      "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total", KV_USAGE):
             value = total(samples, name)

@@ -32,8 +32,8 @@ from perf.serving import serve_trace as T
 from perf.serving.replicas import ROUTER_POLICIES, Replicas
 from perf.common.server import scrape, total
 
-COUNTED = ("graphchunk_lookups_total", "graphchunk_hits_total", "graphchunk_tier_hits_total",
-           "graphchunk_misses_total", "vllm:request_success_total", "vllm:prefix_cache_hits_total",
+COUNTED = ("vllm:graphchunk_lookups_total", "vllm:graphchunk_hits_total", "vllm:graphchunk_tier_hits_total",
+           "vllm:graphchunk_misses_total", "vllm:request_success_total", "vllm:prefix_cache_hits_total",
            "vllm:prefix_cache_queries_total")
 
 
@@ -72,15 +72,15 @@ def run_pass(args, fleet: Replicas, name: str, phase: str, level, work: Path, lo
     after, router_after = [counted(s.url) for s in fleet.servers], router_counted(fleet.router)
     deltas = [{k: a[k] - b[k] for k in COUNTED} for a, b in zip(after, before)]
     fleet_total = {k: sum(d[k] for d in deltas) for k in COUNTED}
-    lookups = fleet_total["graphchunk_lookups_total"] or None
+    lookups = fleet_total["vllm:graphchunk_lookups_total"] or None
     row = {"policy": name, "phase": phase, "concurrency": c, "num_prompts": n, "completed": found["completed"],
            "failed": found["failed"], "request_throughput": found["request_throughput"],
            "ttft_ms": {"p50": found.get("p50_ttft_ms"), "p99": found.get("p99_ttft_ms")},
            "tpot_ms": {"p50": found.get("p50_tpot_ms")},
-           "lookups": fleet_total["graphchunk_lookups_total"],
-           "pool_hit_rate": H.ratio(fleet_total["graphchunk_hits_total"], lookups),
-           "tier_hit_rate": H.ratio(fleet_total["graphchunk_tier_hits_total"], lookups),
-           "computed_rate": H.ratio(fleet_total["graphchunk_misses_total"], lookups),
+           "lookups": fleet_total["vllm:graphchunk_lookups_total"],
+           "pool_hit_rate": H.ratio(fleet_total["vllm:graphchunk_hits_total"], lookups),
+           "tier_hit_rate": H.ratio(fleet_total["vllm:graphchunk_tier_hits_total"], lookups),
+           "computed_rate": H.ratio(fleet_total["vllm:graphchunk_misses_total"], lookups),
            "prefix_cache_hit_rate": H.ratio(fleet_total["vllm:prefix_cache_hits_total"],
                                             fleet_total["vllm:prefix_cache_queries_total"] or None),
            "requests_per_replica": [d["vllm:request_success_total"] for d in deltas],

@@ -20,7 +20,10 @@ chunk pool takes half, sized to hold each level's working set, said in the JSON)
   ``store_path`` tier that ``graphchunk-precompute --context bm25 --format documents`` filled first
   with every level's documents, each computed behind its ``--context-size`` most related ones
   (the operator's corpus, contextualized offline: its cold pass is then tier hits, its warm pass
-  pool hits over those entries; requests carry no salt).
+  pool hits over those entries; requests carry no salt);
+* any graphchunk kind with ``/pool=SHARE`` (``blend/pool=0.25``): its chunk pool set to that share
+  of the KV-cache budget (``pool_tokens``) instead of half: what the pool takes from the requests'
+  KV, against what it saves (docs/sizing.md).
 
 Traffic (``serve_trace.py``): per concurrency level its own slice of a corpus of CPython help-topic
 documents (so cold on a level is first sight for that server), Zipf popularity, ``--docs-per-prompt``
@@ -86,8 +89,25 @@ BLEND_PREFIX = "Here is a document.\n\n"
 """The fixed text of the ``blend-prefix`` kinds (measured on the HF oracle: docs/quality.md)."""
 
 
+def pool_share(kind: str) -> tuple[str, float | None]:
+    """``KIND/pool=SHARE``: graphchunk server ``KIND`` with its chunk pool set (``pool_tokens``) to
+    SHARE of the KV-cache budget instead of graphchunk's default half (the sizing guide's runs)."""
+    base, sep, share = kind.partition("/pool=")
+    if not sep:
+        return kind, None
+    try:
+        value = float(share)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < 1 or KINDS.get(base, ...) is None:
+        raise ValueError(f"{kind!r}: /pool= takes a share of the KV-cache budget in (0, 1), after a graphchunk kind")
+    return base, value
+
+
 def settings_of(kind: str) -> dict | None:
-    """graphchunk's settings of server ``kind`` (``KINDS``, or ``blend:POLICY``)."""
+    """graphchunk's settings of server ``kind`` (``KINDS``, or ``blend:POLICY``; either with
+    ``/pool=SHARE``, whose ``pool_tokens`` ``start_server`` sets)."""
+    kind, _ = pool_share(kind)
     if kind in KINDS:
         return KINDS[kind]
     name, _, spec = kind.partition(":")
@@ -105,7 +125,7 @@ def settings_of(kind: str) -> dict | None:
 
 def on_corpus(kind: str) -> bool:
     """Whether server ``kind`` runs on the contextualized corpus tier (``blend-corpus``)."""
-    return kind.partition(":")[0] == "blend-corpus"
+    return pool_share(kind)[0].partition(":")[0] == "blend-corpus"
 
 
 TENANT = "bench-serve"
@@ -118,10 +138,10 @@ def tenant_of(kind: str) -> str | None:
     return TENANT if (settings_of(kind) or {}).get("blend_entries") == "context" else None
 
 
-COUNTERS = ("graphchunk_lookups_total", "graphchunk_hits_total", "graphchunk_misses_total",
-            "graphchunk_tier_hits_total", "graphchunk_evictions_total", "graphchunk_tokens_reused_total",
-            "graphchunk_tokens_computed_total", "graphchunk_blend_tokens_recomputed_total",
-            "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")
+COUNTERS = ("vllm:graphchunk_lookups_total", "vllm:graphchunk_hits_total", "vllm:graphchunk_misses_total",
+            "vllm:graphchunk_tier_hits_total", "vllm:graphchunk_evictions_total", "vllm:graphchunk_tokens_reused_total",
+            "vllm:graphchunk_tokens_computed_total", "vllm:graphchunk_blend_tokens_recomputed_total",
+            "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total")
 
 
 # --- the shim -----------------------------------------------------------------------------------
@@ -195,9 +215,14 @@ def server_name(kind: str, store: Path | None) -> str:
 def start_server(args, model: Path, kind: str, work: Path, store: Path | None = None, log=print) -> VllmServer:
     settings = settings_of(kind)
     settings = settings and {**settings, **({"store_path": str(store)} if store else {})}
+    share = pool_share(kind)[1]
+    if share is not None:
+        block_bytes = args.block_size * H.kv_bytes_per_token(model, args.dtype)
+        settings["pool_tokens"] = int(args.kv_cache_bytes * share) // block_bytes * args.block_size
     name = server_name(kind, store)
     server = VllmServer(model, dtype=args.dtype, graphchunk=settings, flags=server_flags(args),
-                        worker_cls="graphchunk.Runner" if settings else None, log_path=work / f"{name}.log")
+                        worker_cls="graphchunk.Runner" if settings else None,
+                        log_path=work / f"{name.replace('/', '_')}.log")
     log(f"[serve] starting {name}: vllm {' '.join(server.args)}")
     server.start()
     try:
@@ -262,7 +287,7 @@ def precompute(args, model: Path, levels, tier: Path, work: Path, log=print, con
 def run_pass(args, server: VllmServer, kind: str, phase: str, level, trace: str, work: Path, log=print) -> dict:
     """One ``vllm bench serve`` pass of ``level``'s ``trace`` against ``server``: its row."""
     n, c = len(level.traces[trace]), level.concurrency
-    label = f"{kind}-{phase}-c{c}"
+    label = f"{kind}-{phase}-c{c}".replace("/", "_")  # a file name (and request-id prefix): /pool= kinds
     if args.format == "chat":
         rows = T.chat_rows(level, trace, documents_field=kind != "vanilla")
     else:
@@ -312,16 +337,17 @@ def make_row(kind: str, phase: str, c: int, trace: str, found: dict, delta: dict
     counters; vLLM's prefix cache, in tokens)."""
     n = found["completed"] or 1
     get = lambda name: delta.get(name)  # noqa: E731
-    lookups, hits, tier = get("graphchunk_lookups_total"), get("graphchunk_hits_total"), get("graphchunk_tier_hits_total")
+    lookups, hits, tier = get("vllm:graphchunk_lookups_total"), get("vllm:graphchunk_hits_total"), get("vllm:graphchunk_tier_hits_total")
     queries, cached = get("vllm:prefix_cache_queries_total"), get("vllm:prefix_cache_hits_total")
     cache = {"documents_sent": docs_sent, "chunk_lookups": lookups, "chunk_hits": hits, "tier_hits": tier,
-             "chunk_misses": get("graphchunk_misses_total"), "evictions": get("graphchunk_evictions_total"),
-             "chunk_hit_rate": (1 - get("graphchunk_misses_total") / docs_sent) if lookups is not None else None,
-             "tokens_computed_per_request": (get("graphchunk_tokens_computed_total") / n if lookups is not None
+             "chunk_misses": get("vllm:graphchunk_misses_total"), "evictions": get("vllm:graphchunk_evictions_total"),
+             "chunk_hit_rate": (1 - get("vllm:graphchunk_misses_total") / docs_sent) if lookups is not None else None,
+             "tokens_computed_per_request": (get("vllm:graphchunk_tokens_computed_total") / n if lookups is not None
                                              else (queries - cached) / n if queries is not None else None),
-             "tokens_reused_per_request": get("graphchunk_tokens_reused_total") and get("graphchunk_tokens_reused_total") / n,
-             "blend_tokens_recomputed": get("graphchunk_blend_tokens_recomputed_total"),
+             "tokens_reused_per_request": get("vllm:graphchunk_tokens_reused_total") and get("vllm:graphchunk_tokens_reused_total") / n,
+             "blend_tokens_recomputed": get("vllm:graphchunk_blend_tokens_recomputed_total"),
              "prefix_cache_queries": queries, "prefix_cache_hits": cached,
+             "preemptions": get("vllm:num_preemptions_total"),
              "prefix_cache_hit_rate": H.ratio(cached, queries)}
     pct = {m: {"mean": found.get(f"mean_{m}_ms"), "p50": found.get(f"p50_{m}_ms"), "p99": found.get(f"p99_{m}_ms")}
            for m in ("ttft", "tpot", "itl", "e2el")}
@@ -431,8 +457,9 @@ def report(args, command: str, clock, model: Path, levels, rows: list[dict], ser
             "environment": clock.environment(), "sizes": sizes, "servers": servers, "precompute": precomputed,
             "checks": found, "rows": rows,
             "notes": [f"--kv-cache-memory-bytes {args.kv_cache_bytes} for every server; graphchunk's chunk pool is "
-                      f"half of it, {pool_tokens} tokens, against a largest level working set of "
-                      f"{max(working.values())} tokens (upper bound: whole blocks per entry)",
+                      f"half of it, {pool_tokens} tokens (kinds with /pool=SHARE: that share of it), against a "
+                      f"largest level working set of {max(working.values())} tokens (upper bound: whole blocks "
+                      f"per entry)",
                       "vllm_bench_serve: the first pass's arguments (through the shim); every pass has its own "
                       "--dataset-path, --num-prompts, --max-concurrency, --request-id-prefix and --result-filename",
                       "chunk_hit_rate = 1 - chunk misses / documents sent over the pass: the share of documents "

@@ -1,16 +1,18 @@
 """Time to first token: vanilla vLLM vs graphchunk (all chunks missing, all chunks cached).
 
     python -m perf.serving.bench_ttft [--chunks 8 --chunk-tokens 512 --sys-tokens 32 --question-tokens 64
-                               --repeats N --dtype bfloat16 --sweep 1,2,4,8
+                               --repeats N --dtype float32 --sweep 1,2,4,8 --modes blend,isolated
                                --out perf/results/ttft_cpu.json --plot perf/results/ttft_cpu.png]
 
 One engine configuration for every measurement (same vLLM kwargs: dtype, prefix caching on, block
 size, max_num_batched_tokens >= the longest prompt so no prefill is chunked, same KV memory, of
-which graphchunk carves its chunk pool). Two engines, built one after the other in this process,
-each once, sweeping the number of chunks inside it:
+which graphchunk carves its chunk pool). One engine per kind, built one after the other in this
+process, each once, sweeping the number of chunks inside it:
 
 * ``vanilla``   ``vllm.LLM``;
-* ``graphchunk`` ``GraphChunkLLM`` (``worker_cls="graphchunk.Runner"``).
+* ``graphchunk`` ``GraphChunkLLM`` (``worker_cls="graphchunk.Runner"``), one engine per ``--modes``
+  entry (``blend``, graphchunk's default, with its default recompute policy; ``isolated``), every
+  ratio against the same vanilla run.
 
 The request sequence, per number of chunks k (largest k first), after one global warm-up:
 
@@ -28,7 +30,9 @@ TTFT is the wall time of ``generate`` of one request with ``max_tokens=1, temper
 graphchunk's counters (``stats()``) are read around every request and checked: an all-miss
 request shows k chunk lookups, all misses, and computes its k*L chunk tokens and its question;
 an all-hit request shows k lookups, all hits, reuses its k*L chunk tokens and computes its
-question only (the S sys tokens may count as reused in both: they are copied from the pool).
+question only (the S sys tokens may count as reused in both: they are copied from the pool; in
+blend mode they may count as computed instead, and an all-hit request recomputes some of its
+chunk tokens, ``blend_tokens_recomputed``).
 
 Workload (``ttft_workload.py``): CPython's help-topic text ('#' removed), documents, sys and
 questions cut to exactly L, S and Q tokens, seeded. Prompts go in as token ids (with explicit
@@ -49,7 +53,7 @@ from perf.serving.ttft_workload import Request, Workload, build_workload, engine
 
 REPO = H.REPO
 TARGET = {"speedup_all_hit": 20.0, "ratio_all_miss": 1.1}
-STAT_KEYS = ("lookups", "hits", "misses", "evictions", "tokens_reused", "tokens_computed")
+STAT_KEYS = ("lookups", "hits", "misses", "evictions", "tokens_reused", "tokens_computed", "blend_tokens_recomputed")
 
 
 # --- engines ------------------------------------------------------------------------------------
@@ -81,7 +85,7 @@ def engine_setup(args, model_path: str, workload: Workload) -> EngineSetup:
                               max_num_seqs=args.max_num_seqs, kv_cache_bytes=kv_bytes, seed=args.seed,
                               enforce_eager=args.enforce_eager)
     graphchunk = dict(pool_tokens=pool_tokens, max_chunks=max(32, max(args.sweep)),
-                      max_chunk_len=max(2048, args.chunk_tokens), mode="isolated")
+                      max_chunk_len=max(2048, args.chunk_tokens))
     notes = [f"max_num_batched_tokens = max_model_len = {max_model_len} >= longest prompt {longest}: "
              "every prompt is prefilled in one step (no chunked prefill)",
              f"kv_cache_memory_bytes = {int(kv_bytes)} for both engines; graphchunk takes its pool "
@@ -98,11 +102,11 @@ def sampling_params(boundaries: list[int] | None):
 
 
 def check_request(kind: str, req: Request, out, delta: dict, workload: Workload, *, sys_tokens: int,
-                  question_tokens: int, block_size: int) -> tuple[dict | None, dict, list[str]]:
+                  question_tokens: int, block_size: int, mode: str | None = None) -> tuple[dict | None, dict, list[str]]:
     """(the counter ranges a graphchunk request had to meet, None for vanilla; the counters outside
     them; failure messages): vLLM's prefix cache may serve at most the sys prompt's whole blocks,
     graphchunk's counters must be as ``expected_stats`` says."""
-    where = f"{kind} {req.phase} k={req.k} #{req.index}"
+    where = f"{kind}{'-' + mode if mode else ''} {req.phase} k={req.k} #{req.index}"
     failures = []
     # a graphchunk request's context counts as cached (its connector supplies it); the counters below
     # tell whether the pool served it
@@ -110,7 +114,7 @@ def check_request(kind: str, req: Request, out, delta: dict, workload: Workload,
     if (out.num_cached_tokens or 0) > limit:
         failures.append(f"{where}: vLLM prefix cache served {out.num_cached_tokens} tokens, more than "
                         f"{limit} (the sys prompt's whole blocks, or a graphchunk request's context)")
-    expected = expected_stats(req, workload, sys_tokens, question_tokens) if kind == "graphchunk" else None
+    expected = expected_stats(req, workload, sys_tokens, question_tokens, mode) if kind == "graphchunk" else None
     wrong = stats_violations(delta, expected) if expected is not None else {}
     if wrong:
         failures.append(f"{where}: (got, expected range) {wrong}")
@@ -118,12 +122,13 @@ def check_request(kind: str, req: Request, out, delta: dict, workload: Workload,
 
 
 def run_engine(kind: str, setup: EngineSetup, workload: Workload, *, sys_tokens: int, question_tokens: int,
-               vanilla_miss_phase: bool = False, log=print) -> dict:
-    """Builds one engine, runs its request sequence through it, shuts it down."""
+               vanilla_miss_phase: bool = False, mode: str | None = None, log=print) -> dict:
+    """Builds one engine (graphchunk's in ``mode``), runs its request sequence through it, shuts it down."""
     t0 = time.perf_counter()
-    engine = H.make_engine(kind, setup.llm_kwargs, setup.graphchunk)
+    engine = H.make_engine(kind, setup.llm_kwargs, {**setup.graphchunk, "mode": mode} if mode else setup.graphchunk)
     startup = time.perf_counter() - t0
-    log(f"[{kind}] engine up in {startup:.1f} s")
+    name = f"{kind}-{mode}" if mode else kind
+    log(f"[{name}] engine up in {startup:.1f} s")
     records, failures = [], []
     first_tokens: dict[tuple, int] = {}
     try:
@@ -141,7 +146,7 @@ def run_engine(kind: str, setup: EngineSetup, workload: Workload, *, sys_tokens:
                        load1=os.getloadavg()[0])
             expected, wrong, found = check_request(kind, req, out, delta, workload, sys_tokens=sys_tokens,
                                                    question_tokens=question_tokens,
-                                                   block_size=setup.llm_kwargs["block_size"])
+                                                   block_size=setup.llm_kwargs["block_size"], mode=mode)
             failures += found
             if expected is not None:
                 rec["stats_expected"] = {key: list(rng) for key, rng in expected.items()}
@@ -151,14 +156,14 @@ def run_engine(kind: str, setup: EngineSetup, workload: Workload, *, sys_tokens:
             elif req.phase == "hit" and req.source is not None:
                 rec["same_first_token_as_miss"] = rec["first_token"] == first_tokens.get((req.k, req.source))
             records.append(rec)
-            log(f"[{kind}] {req.phase:>13} k={req.k} #{req.index:<2} {'' if req.counted else '(warm-up) '}"
+            log(f"[{name}] {req.phase:>13} k={req.k} #{req.index:<2} {'' if req.counted else '(warm-up) '}"
                 f"{1e3 * ttft:8.1f} ms  cached={out.num_cached_tokens}"
                 + (f"  {delta}" if delta else ""))
         final_stats = H.engine_stats(engine) or None
     finally:
         H.shutdown(engine)
         del engine
-    return dict(startup_s=startup, records=records, failures=failures, final_stats=final_stats)
+    return dict(mode=mode, startup_s=startup, records=records, failures=failures, final_stats=final_stats)
 
 
 # --- summary ------------------------------------------------------------------------------------
@@ -195,13 +200,16 @@ def cache_checks(graph: dict, sweep: list[int]) -> dict:
     return out
 
 
-def plot(per_k: dict, path: Path, title: str) -> None:
+def plot(modes: dict, path: Path, title: str) -> None:
     plt = H.pyplot()
-    ks = sorted(int(k) for k in per_k)
+    first = next(iter(modes.values()))["per_chunks"]
+    ks = sorted(int(k) for k in first)
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, label, style in (("vanilla", "vanilla vLLM (prefix caching)", "o-"),
-                               ("all_miss", "graphchunk, all chunks missing", "s-"),
-                               ("all_hit", "graphchunk, all chunks cached", "^-")):
+    curves = [(first, "vanilla", "vanilla vLLM (prefix caching)", "o-")]
+    for mode, found in modes.items():
+        curves += [(found["per_chunks"], "all_miss", f"graphchunk {mode}, all chunks missing", "s-"),
+                   (found["per_chunks"], "all_hit", f"graphchunk {mode}, all chunks cached", "^-")]
+    for per_k, name, label, style in curves:
         p50 = [1e3 * per_k[str(k)][name]["p50"] for k in ks]
         p90 = [1e3 * per_k[str(k)][name]["p90"] for k in ks]
         line, = ax.plot(ks, p50, style, label=label)
@@ -228,7 +236,9 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=10, help="counted requests per (engine, phase, k)")
     p.add_argument("--warmup", type=int, default=2, help="uncounted requests before them")
     p.add_argument("--sweep", default="1,2,4,8", help="numbers of chunks; --chunks is added")
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--dtype", default="float32", choices=("bfloat16", "float16", "float32"),
+                   help="float32: this CPU has no native bf16 (vLLM would emulate it)")
+    p.add_argument("--modes", default="blend,isolated", help="graphchunk's engines, one per mode, each against vanilla")
     p.add_argument("--block-size", type=int, default=128, help="vLLM's CPU default")
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--kv-cache-bytes", type=int, default=0, help="0: pool + 4 * max_model_len tokens")
@@ -241,6 +251,9 @@ def parse_args(argv=None):
     p.add_argument("--plot", type=Path, default=REPO / "perf/results/ttft_cpu.png")
     args = p.parse_args(argv)
     args.sweep = sorted({int(x) for x in args.sweep.split(",") if x.strip()} | {args.chunks})
+    args.modes = [m for m in args.modes.split(",") if m]
+    if not args.modes or not set(args.modes) <= {"blend", "isolated"}:
+        p.error(f"--modes: blend and/or isolated, got {args.modes}")
     return args
 
 
@@ -260,51 +273,57 @@ def main(argv=None) -> int:
                   vanilla_miss_phase=args.vanilla_miss_phase, log=log)
     vanilla = run_engine("vanilla", setup, workload, **common)
     clock.mark("after_vanilla")
-    graph = run_engine("graphchunk", setup, workload, **common)
-    clock.mark("end")
+    graphs = {}
+    for mode in args.modes:
+        graphs[mode] = run_engine("graphchunk", setup, workload, mode=mode, **common)
+        clock.mark(f"after_{mode}")
 
-    per_k = summarize(vanilla, graph, args.sweep)
-    head = per_k[str(args.chunks)]
     device = H.device_name()
-    failures = vanilla["failures"] + graph["failures"]
+    failures = vanilla["failures"] + [f for graph in graphs.values() for f in graph["failures"]]
+    modes = {}
+    for mode, graph in graphs.items():
+        per_k = summarize(vanilla, graph, args.sweep)
+        head = per_k[str(args.chunks)]
+        modes[mode] = {
+            "speedup_all_hit": head["speedup_all_hit"], "ratio_all_miss": head["ratio_all_miss"],
+            "target": {**TARGET, "met": head["speedup_all_hit"] >= TARGET["speedup_all_hit"]
+                       and head["ratio_all_miss"] <= TARGET["ratio_all_miss"]},
+            "headline": {"chunks": args.chunks, "chunk_tokens": args.chunk_tokens, "sys_tokens": args.sys_tokens,
+                         "question_tokens": args.question_tokens, "vanilla_p50_s": head["vanilla"]["p50"],
+                         "all_miss_p50_s": head["all_miss"]["p50"], "all_hit_p50_s": head["all_hit"]["p50"]},
+            "per_chunks": per_k, "cache_checks": cache_checks(graph, args.sweep)}
     result = {
         "device": device,
-        "speedup_all_hit": head["speedup_all_hit"],
-        "ratio_all_miss": head["ratio_all_miss"],
-        "target": {**TARGET, "met": head["speedup_all_hit"] >= TARGET["speedup_all_hit"]
-                   and head["ratio_all_miss"] <= TARGET["ratio_all_miss"]},
-        "headline": {"chunks": args.chunks, "chunk_tokens": args.chunk_tokens, "sys_tokens": args.sys_tokens,
-                     "question_tokens": args.question_tokens,
-                     "vanilla_p50_s": head["vanilla"]["p50"], "all_miss_p50_s": head["all_miss"]["p50"],
-                     "all_hit_p50_s": head["all_hit"]["p50"]},
+        "command": H.command_line(__file__, argv),
+        "modes": modes,
         "config": {**H.config_dict(args),
                    "llm_kwargs": setup.llm_kwargs, "graphchunk": setup.graphchunk,
                    "kv_bytes_per_token": setup.kv_bytes_per_token, "notes": setup.notes + workload.notes,
                    "num_documents": len(workload.docs), "requests_per_engine": len(workload.requests),
                    "timing": "wall time of generate([one prompt], SamplingParams(max_tokens=1, temperature=0))"},
-        "per_chunks": per_k,
-        "cache_checks": cache_checks(graph, args.sweep),
         "checks_passed": not failures,
         "failures": failures,
         "environment": clock.environment(),
-        "raw": {"vanilla": vanilla, "graphchunk": graph},
+        "raw": {"vanilla": vanilla, **{f"graphchunk-{mode}": graph for mode, graph in graphs.items()}},
     }
     H.write_json(args.out, result)
-    plot(per_k, args.plot, f"TTFT, {args.chunk_tokens}-token chunks, S={args.sys_tokens}, "
+    plot(modes, args.plot, f"TTFT, {args.chunk_tokens}-token chunks, S={args.sys_tokens}, "
                            f"Q={args.question_tokens}, {args.dtype}; {device}")
 
     print(f"\nTTFT on {device}, {args.dtype}, L={args.chunk_tokens} S={args.sys_tokens} Q={args.question_tokens}, "
           f"{args.repeats} requests per point")
-    print(f"{'chunks':>6} {'vanilla p50/p90 ms':>20} {'all-miss p50/p90 ms':>20} {'all-hit p50/p90 ms':>20}"
-          f" {'speedup hit':>11} {'ratio miss':>10}")
-    for k in args.sweep:
-        row = per_k[str(k)]
-        cell = lambda name: f"{1e3 * row[name]['p50']:.1f}/{1e3 * row[name]['p90']:.1f}"  # noqa: E731
-        print(f"{k:>6} {cell('vanilla'):>20} {cell('all_miss'):>20} {cell('all_hit'):>20}"
-              f" {row['speedup_all_hit']:>11.2f} {row['ratio_all_miss']:>10.3f}")
-    print(f"\nheadline (k={args.chunks}): speedup_all_hit = {head['speedup_all_hit']:.2f} "
-          f"(target >= {TARGET['speedup_all_hit']:g}), ratio_all_miss = {head['ratio_all_miss']:.3f} "
-          f"(target <= {TARGET['ratio_all_miss']:g})")
+    for mode, found in modes.items():
+        print(f"graphchunk {mode}:")
+        print(f"{'chunks':>6} {'vanilla p50/p90 ms':>20} {'all-miss p50/p90 ms':>20} {'all-hit p50/p90 ms':>20}"
+              f" {'speedup hit':>11} {'ratio miss':>10}")
+        for k in args.sweep:
+            row = found["per_chunks"][str(k)]
+            cell = lambda name: f"{1e3 * row[name]['p50']:.1f}/{1e3 * row[name]['p90']:.1f}"  # noqa: E731
+            print(f"{k:>6} {cell('vanilla'):>20} {cell('all_miss'):>20} {cell('all_hit'):>20}"
+                  f" {row['speedup_all_hit']:>11.2f} {row['ratio_all_miss']:>10.3f}")
+        print(f"headline (k={args.chunks}): speedup_all_hit = {found['speedup_all_hit']:.2f} "
+              f"(target >= {TARGET['speedup_all_hit']:g}), ratio_all_miss = {found['ratio_all_miss']:.3f} "
+              f"(target <= {TARGET['ratio_all_miss']:g})")
     print(f"cache checks: {'all requests as expected' if not failures else 'FAILED'}")
     for failure in failures:
         print(f"  {failure}")

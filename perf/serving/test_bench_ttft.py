@@ -121,7 +121,7 @@ def vanilla_engine(setup):
 
 @pytest.fixture(scope="class")
 def graphchunk_engine(setup):
-    engine = H.make_engine("graphchunk", setup.llm_kwargs, setup.graphchunk)
+    engine = H.make_engine("graphchunk", setup.llm_kwargs, {**setup.graphchunk, "mode": "isolated"})
     yield engine
     H.shutdown(engine)
 

@@ -144,21 +144,24 @@ def engine_requests(kind: str, workload: Workload, vanilla_miss_phase: bool = Fa
     return [r for r in workload.requests if r.phase in ("global_warmup", "hit")]
 
 
-def expected_stats(req: Request, workload: Workload, sys_tokens: int,
-                   question_tokens: int) -> dict[str, tuple[int, int]] | None:
+def expected_stats(req: Request, workload: Workload, sys_tokens: int, question_tokens: int,
+                   mode: str | None = None) -> dict[str, tuple[int, int]] | None:
     """graphchunk counter deltas a request must show, as inclusive ranges (None: unchecked).
 
     Chunk lookups only are counted (k per request); an all-miss request computes its k chunks
     and its question, an all-hit request its question only and reuses its k*L chunk tokens. The
     sys prompt's KV (S tokens) may be counted as reused in both (it is copied from the pool
-    unless vLLM's prefix cache holds it)."""
+    unless vLLM's prefix cache holds it). In blend mode (``mode``) the sys prompt may be computed
+    instead, and an all-hit request recomputes some, not all, of its chunk tokens."""
     k, L, S, Q = req.k, workload.chunk_tokens, sys_tokens, question_tokens
+    sys_computed = S if mode == "blend" else 0
     if req.phase in ("miss", "seed"):
         return {"lookups": (k, k), "hits": (0, 0), "misses": (k, k), "evictions": (0, 0),
-                "tokens_reused": (0, S), "tokens_computed": (k * L + Q, k * L + Q)}
+                "tokens_reused": (0, S), "tokens_computed": (k * L + Q, k * L + Q + sys_computed)}
     if req.phase == "hit":
-        return {"lookups": (k, k), "hits": (k, k), "misses": (0, 0), "evictions": (0, 0),
-                "tokens_reused": (k * L, k * L + S), "tokens_computed": (Q, Q)}
+        found = {"lookups": (k, k), "hits": (k, k), "misses": (0, 0), "evictions": (0, 0),
+                 "tokens_reused": (k * L, k * L + S), "tokens_computed": (Q, Q + sys_computed)}
+        return {**found, "blend_tokens_recomputed": (1, k * L - 1)} if mode == "blend" else found
     return None
 
 

@@ -58,7 +58,7 @@ class Faults:
         before_files = set(tier_files(self.store_root))
         m0 = servers.metrics()
         fault["canary_status"] = self.canary(0, "canary-before-restart").status
-        fault["canary_tier_writes"] = delta(servers.metrics(), m0, "graphchunk_tier_writes_total")
+        fault["canary_tier_writes"] = delta(servers.metrics(), m0, "vllm:graphchunk_tier_writes_total")
         servers.end_incarnation()
         self.log(f"[soak] restart at request {at_request}: stopping the server")
         fault["stop_exit_code"] = servers.stop()
@@ -70,8 +70,8 @@ class Faults:
         m1 = servers.metrics()
         fault["canary_again_status"] = self.canary(1, "canary-after-restart").status
         m2 = servers.metrics()
-        fault["rejected_by_canary"] = delta(m2, m1, "graphchunk_tier_rejected_total")
-        fault["tier_hits_by_canary"] = delta(m2, m1, "graphchunk_tier_hits_total")
+        fault["rejected_by_canary"] = delta(m2, m1, "vllm:graphchunk_tier_rejected_total")
+        fault["tier_hits_by_canary"] = delta(m2, m1, "vllm:graphchunk_tier_hits_total")
         if fault["truncated"]:  # the server read the planted file iff it is gone or rewritten now
             fault["exercised"] = read_or_none(Path(fault["truncated"]["file"])) != planted
 
@@ -121,10 +121,10 @@ class Faults:
         again = self.canary(2, "canary-after-live-corruption")
         m2 = self.servers.metrics()
         live.update(canary_status=again.status,
-                    rejected_by_canary=delta(m2, m1, "graphchunk_tier_rejected_total"),
-                    rejected_total=m2.get("graphchunk_tier_rejected_total"),
-                    misses_by_canary=delta(m2, m1, "graphchunk_misses_total"),
-                    tier_hits_by_canary=delta(m2, m1, "graphchunk_tier_hits_total"))
+                    rejected_by_canary=delta(m2, m1, "vllm:graphchunk_tier_rejected_total"),
+                    rejected_total=m2.get("vllm:graphchunk_tier_rejected_total"),
+                    misses_by_canary=delta(m2, m1, "vllm:graphchunk_misses_total"),
+                    tier_hits_by_canary=delta(m2, m1, "vllm:graphchunk_tier_hits_total"))
         # Exercised when the planted bytes were still there and this send read them (the
         # server removes a corrupt file; an entry still in the pool never reaches the tier).
         # Only canary sends use the canary's documents, so no trace request read them first.

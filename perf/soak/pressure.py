@@ -42,7 +42,7 @@ and the entry must leave the pool's index (``entries_failed``). The report attri
 copy to an injection (``fill_faults``).
 
 After the traffic: the engine drained (nothing running or waiting), graphchunk's pool gauges read
-(``graphchunk_pool_refs_held`` and ``graphchunk_pool_blocks_leaked`` must be 0, and vLLM's
+(``vllm:graphchunk_pool_refs_held`` and ``vllm:graphchunk_pool_blocks_leaked`` must be 0, and vLLM's
 ``vllm:kv_cache_usage_perc``: cancelled and failed requests gave their blocks back), a final
 request checked (the server alive and correct; one that read an entry poisoned before the
 injections stopped is planned again by the server), the counters read (evictions, hits, misses; ``vllm:num_preemptions_total``), the
@@ -293,7 +293,7 @@ class PressureSoak:
         aborted = [o for o in outcomes if o.status == "aborted"]
         errors = [o for o in outcomes if o.status == "error"]
         ok = [o for o in outcomes if o.status == "ok"]
-        counters = {name: int(m.get(f"graphchunk_{name}_total", 0)) for name in COUNTERS}
+        counters = {name: int(m.get(f"vllm:graphchunk_{name}_total", 0)) for name in COUNTERS}
         log_text = Path(log_path).read_text(errors="replace") if Path(log_path).exists() else ""
         refs_held, blocks_leaked = (leaks.get(n) for n in LEAK_GAUGES)
         faults = self.args.fail_fill_every > 0
@@ -304,9 +304,9 @@ class PressureSoak:
             # No request fails, injected faults or not: a request whose copy read a poisoned entry
             # is planned again (fills_retried); no copy fails for another reason.
             "no_request_failed": died is None and not errors and injected["copies_failed_unexplained"] == 0 and
-            int(m.get("graphchunk_requests_failed_total", 0)) == 0,
+            int(m.get("vllm:graphchunk_requests_failed_total", 0)) == 0,
             "failed_copies_retried": not faults or injected["copies_failed"] == 0 or
-            int(m.get("graphchunk_fills_retried_total", 0)) > 0,
+            int(m.get("vllm:graphchunk_fills_retried_total", 0)) > 0,
             "no_refs_held_idle": refs_held == 0,
             "no_blocks_leaked_idle": blocks_leaked == 0,
             "kv_cache_given_back": leaks.get(KV_USAGE) == 0,
@@ -342,15 +342,15 @@ class PressureSoak:
             "pool_refs_held": refs_held,
             "pool_blocks_leaked": blocks_leaked,
             "kv_cache_usage_idle": leaks.get(KV_USAGE),
-            "loads_dropped": int(m.get("graphchunk_loads_dropped_total", 0)),
-            "entries_failed": int(m.get("graphchunk_entries_failed_total", 0)),
-            "fills_retried": int(m.get("graphchunk_fills_retried_total", 0)),
-            "requests_failed": int(m.get("graphchunk_requests_failed_total", 0)),
+            "loads_dropped": int(m.get("vllm:graphchunk_loads_dropped_total", 0)),
+            "entries_failed": int(m.get("vllm:graphchunk_entries_failed_total", 0)),
+            "fills_retried": int(m.get("vllm:graphchunk_fills_retried_total", 0)),
+            "requests_failed": int(m.get("vllm:graphchunk_requests_failed_total", 0)),
             "fill_faults": {"every": self.args.fail_fill_every, **injected},
             "invariants": invariants,
             "graphchunk_counters": counters,
-            "pool_blocks_used_idle": m.get("graphchunk_pool_blocks_used"),
-            "pool_blocks_total": m.get("graphchunk_pool_blocks_total"),
+            "pool_blocks_used_idle": m.get("vllm:graphchunk_pool_blocks_used"),
+            "pool_blocks_total": m.get("vllm:graphchunk_pool_blocks_total"),
             "engine": {"requests_added": len(re.findall(r"Added request \S+\.", log_text)),
                        "requests_aborted": len(re.findall(r"Request \S+ aborted\.", log_text)),
                        "finished_by_reason": {r: int(m.get(f"vllm_finished_{r}", 0))

@@ -39,12 +39,12 @@ def result(run, command: str, outcomes: list[Outcome], soak: dict, checks: dict,
         "requests": len(outcomes),
         "wrong_outputs": checks["wrong_outputs"],
         "checked_outputs": checks["checked_outputs"],
-        "leaked_refs": leaked["graphchunk_pool_refs_held"],
-        "leaked_blocks": leaked["graphchunk_pool_blocks_leaked"],
+        "leaked_refs": leaked["vllm:graphchunk_pool_refs_held"],
+        "leaked_blocks": leaked["vllm:graphchunk_pool_blocks_leaked"],
         "kv_cache_usage_idle": leaked[KV_USAGE],
-        "hit_rate": H.ratio(totals["graphchunk_hits_total"], totals["graphchunk_lookups_total"]),
-        "tier_hits": int(totals["graphchunk_tier_hits_total"]),
-        "evictions": int(totals["graphchunk_evictions_total"]),
+        "hit_rate": H.ratio(totals["vllm:graphchunk_hits_total"], totals["vllm:graphchunk_lookups_total"]),
+        "tier_hits": int(totals["vllm:graphchunk_tier_hits_total"]),
+        "evictions": int(totals["vllm:graphchunk_evictions_total"]),
         "aborts": len(aborted),
         "restarts": run.faults.get("restart", {}).get("restarts", 0),
         "throughput_over_vanilla": throughput.get("requests_per_s_ratio"),
@@ -91,8 +91,8 @@ def _invariants(a, checks, errors, aborted, leaked, alive, memory, faults, tier)
         "no_wrong_outputs": checks["wrong_outputs"] == 0 and checks["checked_outputs"] > 0,
         "no_request_errors": not errors,
         "canaries_and_final_completed": not checks["tagged_not_completed"],
-        "no_leaked_refs": leaked["graphchunk_pool_refs_held"] == 0,
-        "no_leaked_blocks": leaked["graphchunk_pool_blocks_leaked"] == 0,
+        "no_leaked_refs": leaked["vllm:graphchunk_pool_refs_held"] == 0,
+        "no_leaked_blocks": leaked["vllm:graphchunk_pool_blocks_leaked"] == 0,
         "kv_cache_given_back": leaked[KV_USAGE] == 0,
         "server_alive_after": alive.get("server_process_alive") is True and alive.get("health") == 200
         and alive.get("final_status") == "ok" and checks["tagged_checked"].get("final") in ("equal", "tie"),
@@ -133,9 +133,9 @@ def _tier(run, soak: dict, totals: dict) -> dict:
     metrics = run.servers.incarnation_metrics
     return {"store_path": str(run.store_root), "store_bytes": run.args.store_bytes or GraphChunkConfig().store_bytes,
             "bytes_on_disk": soak["tier_bytes"], "files_on_disk": soak["tier_files"],
-            "tier_hits_after_restart": metrics[-1].get("graphchunk_tier_hits_total") if len(metrics) > 1 else None,
-            "writes": int(totals["graphchunk_tier_writes_total"]),
-            "rejected": int(totals["graphchunk_tier_rejected_total"])}
+            "tier_hits_after_restart": metrics[-1].get("vllm:graphchunk_tier_hits_total") if len(metrics) > 1 else None,
+            "writes": int(totals["vllm:graphchunk_tier_writes_total"]),
+            "rejected": int(totals["vllm:graphchunk_tier_rejected_total"])}
 
 
 def server_counts(servers, outcomes: list[Outcome], extra_outcomes: list[Outcome], max_tokens: int) -> dict:
@@ -170,9 +170,9 @@ def throughput_summary(kind: str, requests: int, outcomes: list[Outcome], wall: 
                "vllm_prefix_cache_hit_rate": H.ratio(delta(m1, m0, "vllm:prefix_cache_hits_total"),
                                                      delta(m1, m0, "vllm:prefix_cache_queries_total"))}
     if kind == "graphchunk":
-        summary["hit_rate"] = H.ratio(delta(m1, m0, "graphchunk_hits_total"), delta(m1, m0, "graphchunk_lookups_total"))
-        summary["tier_hits"] = delta(m1, m0, "graphchunk_tier_hits_total")
-        summary["evictions"] = delta(m1, m0, "graphchunk_evictions_total")
+        summary["hit_rate"] = H.ratio(delta(m1, m0, "vllm:graphchunk_hits_total"), delta(m1, m0, "vllm:graphchunk_lookups_total"))
+        summary["tier_hits"] = delta(m1, m0, "vllm:graphchunk_tier_hits_total")
+        summary["evictions"] = delta(m1, m0, "vllm:graphchunk_evictions_total")
     return summary
 
 

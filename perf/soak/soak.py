@@ -27,7 +27,7 @@ One run, in this order:
 
    Afterwards: every in-flight request drained (vLLM's running/waiting gauges), a new request
    checked against the HF oracle (server alive and correct), the pool's accounting read from
-   /metrics (``graphchunk_pool_refs_held`` and ``graphchunk_pool_blocks_leaked`` must be 0, and
+   /metrics (``vllm:graphchunk_pool_refs_held`` and ``vllm:graphchunk_pool_blocks_leaked`` must be 0, and
    vLLM's ``vllm:kv_cache_usage_perc`` too: cancelled requests give their blocks back), the
    server process tree's RSS against its post-warm-up RSS (``--rss-factor``), the tier's bytes on
    disk against its budget. Then a sample of completed requests (``--check``; the canaries and
