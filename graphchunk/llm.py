@@ -225,7 +225,8 @@ class GraphChunkLLM:
         return self.llm.collective_rpc("graphchunk_templates_manifest")[0]
 
     def published_stats(self) -> dict[str, float] | None:
-        """The metrics as /metrics exports them (published by the worker after each step)."""
+        """The metrics the engine last published to its metrics file (the worker's after each step,
+        the pool's where vLLM schedules); /metrics gets them through vLLM's connector metrics path."""
         return read_published(self.metrics_file)
 
     def shutdown(self) -> None:

@@ -69,7 +69,7 @@ class ChunkEngine:
     counts: BucketCounts | None = None
     """The grid's bucket counts (``graphchunk.templates``); None: no grid."""
     publisher: MetricsPublisher | None = None
-    """Publishes the metrics after every step for ``GraphChunkLLM.stats()``; None: nobody reads them."""
+    """Publishes the metrics after every step for ``GraphChunkLLM.published_stats()``; None: nobody reads them."""
     report: StatsReport | None = None
     """The worker's metrics for vLLM's stats (the connector's ``get_kv_connector_stats``); None on
     tensor-parallel ranks past the first, which count the same steps."""

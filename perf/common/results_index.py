@@ -23,7 +23,7 @@ from pathlib import Path
 from perf.common import freshness
 from perf.common.harness import REPO
 
-RESULTS = REPO / "perf" / "results"
+RESULTS = freshness.RESULTS
 PAGE = REPO / "docs" / "benchmarks.md"
 BEGIN, END = "<!-- results-index:begin -->", "<!-- results-index:end -->"
 

@@ -99,7 +99,7 @@ def pool_share(kind: str) -> tuple[str, float | None]:
         value = float(share)
     except ValueError:
         value = -1.0
-    if not 0 < value < 1 or KINDS.get(base, ...) is None:
+    if not 0 < value < 1 or settings_of(base) is None:
         raise ValueError(f"{kind!r}: /pool= takes a share of the KV-cache budget in (0, 1), after a graphchunk kind")
     return base, value
 
@@ -212,17 +212,27 @@ def server_name(kind: str, store: Path | None) -> str:
     return kind + ("-precomputed" if store and not on_corpus(kind) else "")
 
 
+def pool_tokens_at(args, model: Path, share: float) -> int:
+    """The pool's tokens at ``share`` of the KV-cache budget, in whole blocks (the worker's own
+    sizing rule, ``worker.pool_blocks_in``)."""
+    block_bytes = args.block_size * H.kv_bytes_per_token(model, args.dtype)
+    return int(args.kv_cache_bytes * share) // block_bytes * args.block_size
+
+
+def file_stem(name: str) -> str:
+    """``name`` (a server's or a pass's) as a file name: a ``/pool=`` kind's slash replaced."""
+    return name.replace("/", "_")
+
+
 def start_server(args, model: Path, kind: str, work: Path, store: Path | None = None, log=print) -> VllmServer:
     settings = settings_of(kind)
     settings = settings and {**settings, **({"store_path": str(store)} if store else {})}
     share = pool_share(kind)[1]
     if share is not None:
-        block_bytes = args.block_size * H.kv_bytes_per_token(model, args.dtype)
-        settings["pool_tokens"] = int(args.kv_cache_bytes * share) // block_bytes * args.block_size
+        settings["pool_tokens"] = pool_tokens_at(args, model, share)
     name = server_name(kind, store)
     server = VllmServer(model, dtype=args.dtype, graphchunk=settings, flags=server_flags(args),
-                        worker_cls="graphchunk.Runner" if settings else None,
-                        log_path=work / f"{name.replace('/', '_')}.log")
+                        worker_cls="graphchunk.Runner" if settings else None, log_path=work / f"{file_stem(name)}.log")
     log(f"[serve] starting {name}: vllm {' '.join(server.args)}")
     server.start()
     try:
@@ -287,7 +297,7 @@ def precompute(args, model: Path, levels, tier: Path, work: Path, log=print, con
 def run_pass(args, server: VllmServer, kind: str, phase: str, level, trace: str, work: Path, log=print) -> dict:
     """One ``vllm bench serve`` pass of ``level``'s ``trace`` against ``server``: its row."""
     n, c = len(level.traces[trace]), level.concurrency
-    label = f"{kind}-{phase}-c{c}".replace("/", "_")  # a file name (and request-id prefix): /pool= kinds
+    label = file_stem(f"{kind}-{phase}-c{c}")  # also the request-id prefix
     if args.format == "chat":
         rows = T.chat_rows(level, trace, documents_field=kind != "vanilla")
     else:
@@ -440,8 +450,7 @@ def report(args, command: str, clock, model: Path, levels, rows: list[dict], ser
         row.pop("prompt_lens")
     from graphchunk.engine.worker import POOL_SHARE  # the worker's own sizing rule (pool_blocks_in)
 
-    block_bytes = args.block_size * H.kv_bytes_per_token(model, args.dtype)
-    pool_tokens = int(args.kv_cache_bytes * POOL_SHARE) // block_bytes * args.block_size
+    pool_tokens = pool_tokens_at(args, model, POOL_SHARE)
     working = {mode: max(T.working_set_tokens(level, mode, args.block_size) for level in levels)
                for mode in ("isolated", "blend")}
     sizes = {"levels": [{"concurrency": lv.concurrency, "documents": len(lv.docs),
