@@ -26,6 +26,8 @@ import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
 
+from graphchunk.log import logger
+
 
 def _counter(help_text: str, default: float = 0):
     """A field that only grows over the worker's life: a Prometheus counter."""
@@ -181,14 +183,22 @@ class StatsReport:
 
     def take(self) -> dict[str, dict[str, float]] | None:
         """``{"counters": {name: increment}, "gauges": {name: value}}`` of the fields that
-        changed, or None when none did."""
+        changed, or None when none did. A counter that went down (a bug: Prometheus refuses a
+        negative increment, which would stop vLLM's output handler) is logged, not reported."""
         counters, gauges = {}, {}
         for names, changed, increment in ((self.counters, counters, True), (self.gauges, gauges, False)):
             for name in names:
                 value, last = getattr(self.metrics, name), self.last[name]
-                if value != last:
-                    changed[name] = value - last if increment else value
-                    self.last[name] = value
+                if value == last:
+                    continue
+                self.last[name] = value
+                if not increment:
+                    changed[name] = value
+                elif value > last:
+                    changed[name] = value - last
+                else:
+                    logger.error("graphchunk: counter %s went down (%s -> %s); the decrease is not reported", name,
+                                 last, value)
         return {"counters": counters, "gauges": gauges} if counters or gauges else None
 
 

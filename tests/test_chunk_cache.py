@@ -10,6 +10,7 @@ from hypothesis import given, settings, strategies as st
 from graphchunk.cache.chunk_cache import ChunkCache, PseudoSeq, ScheduledPrompt, split_forward_batches
 from graphchunk.cache.keys import KeySpace
 from graphchunk.cache.pool import ChunkPool, PoolExhausted
+from graphchunk.metrics import COUNTERS
 from graphchunk.segments import split_at
 
 BS = 4
@@ -263,6 +264,30 @@ def test_tier_serves_another_pool_without_computing():
     m = cc_b.metrics
     assert (m.lookups, m.hits, m.tier_hits, m.misses, m.tokens_reused) == (2, 0, 2, 0, 6 + 12)
     cc_b.pool.check_invariants()
+
+
+def test_a_tier_hit_in_a_later_step_never_takes_a_miss_back():
+    """A chunk's miss job that the tier serves steps after its plan was counted (jobs ahead of it
+    took the steps' budgets): every counter only grows from step to step (a decrease would be a
+    negative Prometheus increment), and the outcome is a tier hit, not a miss."""
+    tier, a = FakeTier(), make_prompt(6, [5, 7])
+    cache(tier=tier).materialize([ScheduledPrompt(a, None, 0, a.layout.num_tokens, request_blocks(0, a))],
+                                 FakeDevice())
+    ids = list(a.sys_tokens) + [300 + t for t in range(9)] + list(a.chunk_tokens(1)) + list(a.question_tokens)
+    b = split_at(ids, [6, 15, 22], max_chunks=4, max_chunk_len=64)
+    device, cc = FakeDevice(), cache(tier=tier)
+    plan = cc.planner.plan(b, None, "isolated", 0, b.layout.context_len)
+    cc.runner.add_jobs(plan.jobs)
+    cc.runner.count(plan.counts)
+    counted = [[getattr(cc.metrics, name) for name in COUNTERS]]
+    while cc.runner.done_before <= plan.needs:
+        cc.runner.run_jobs(device, budget=4)
+        counted.append([getattr(cc.metrics, name) for name in COUNTERS])
+    assert len(counted) > 3 and tier.loads == 2  # the sys entry and chunk 1 from the tier, chunk 0 computed
+    for before, after in zip(counted, counted[1:]):
+        assert all(b <= a for b, a in zip(before, after)), dict(zip(COUNTERS, zip(before, after)))
+    m = cc.metrics
+    assert (m.lookups, m.hits, m.tier_hits, m.misses) == (2, 0, 1, 1)
 
 
 def test_tier_miss_on_another_salt_or_sys():

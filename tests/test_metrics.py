@@ -80,6 +80,21 @@ def test_a_report_holds_what_changed_since_the_last():
     assert worker.take() == {"counters": {"lookups": 2}, "gauges": {}}
 
 
+def test_a_counter_that_went_down_is_logged_and_never_reported_negative(caplog):
+    """Prometheus refuses a negative increment, and in the API process that refusal stops vLLM's
+    output handler (the server goes down): a decrease is logged and left out."""
+    m = sample()
+    report = StatsReport(m, WORKER_FIELDS)
+    report.take()
+    m.misses -= 1
+    m.hits += 2
+    with caplog.at_level("ERROR", logger="vllm.graphchunk"):
+        assert report.take() == {"counters": {"hits": 2}, "gauges": {}}
+    assert "counter misses went down" in caplog.text
+    m.misses += 3
+    assert report.take() == {"counters": {"misses": 3}, "gauges": {}}  # counted from the lower value
+
+
 def test_reports_sum_over_steps_and_ranks_as_vllm_aggregates_them():
     from graphchunk.engine.connector import GraphChunkConnector
     from graphchunk.engine.connector_stats import GraphChunkStats

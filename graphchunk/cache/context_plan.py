@@ -77,7 +77,8 @@ class MissJob:
     after: int = -1
     """The job computing the sys entry this one reads (-1: none, or it was ready)."""
     counted: bool = False
-    """A chunk's job (its lookup is counted in the metrics; a sys prompt's is not)."""
+    """A chunk's job: its outcome is counted when it finishes (``misses``, or ``tier_hits`` when
+    the tier served it); a sys prompt's is not counted."""
     epoch: int = 0
     """The entry's epoch, stamped on its blocks as the job starts writing them."""
     reads: tuple[tuple[tuple[int, ...], int], ...] = ()
@@ -298,8 +299,8 @@ class ContextPlanner:
         key, tokens = self._identity(seg, salt, mode, i)
         entry = self._lookup(key, tokens, plan)
         plan.counts.append(("lookup_seconds", time.perf_counter() - start, mode))
-        outcome = "hits" if entry is not None else "misses"  # an entry in flight is computed once
-        if entry is None:
+        counts = [("lookups", 1, mode)] + ([("hits", 1, mode)] if entry is not None else [])  # in flight: a hit
+        if entry is None:  # a miss, counted when its job finishes (computed, or loaded from the tier)
             entry = self._insert(key, tokens, offset + len(chunk), plan)
             if mode == "blend":
                 self._add_job(plan, entry, tokens, entry.block_ids, 0, mode, [entry])
@@ -313,7 +314,7 @@ class ContextPlanner:
                 reads = ((tuple(sys_entry.block_ids), sys_entry.epoch),) if sys_entry is not None else ()
                 self._add_job(plan, entry, tokens, [*sys_blocks, *entry.block_ids], len(sys_tokens), mode, holds,
                               partial, after, reads=reads)
-        plan.counts += [("lookups", 1, mode), (outcome, 1, mode)]
+        plan.counts += counts
         return entry, offset
 
     def _lookup(self, key: bytes, tokens, plan: RequestPlan) -> PoolEntry | None:

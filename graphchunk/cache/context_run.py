@@ -156,10 +156,9 @@ class ContextRunner:
         assert head is progress, "jobs finish in id order"
         job = progress.job
         reused = self._reused.pop(job.job_id)
-        if progress.loaded:  # a tier hit, not a miss; the tokens copied from it are reused
-            if job.counted:
-                self.metrics.count("tier_hits", 1, job.mode)
-                self.metrics.count("misses", -1, job.mode)
+        if job.counted:  # counted now, not at plan time: a counter never goes down
+            self.metrics.count("tier_hits" if progress.loaded else "misses", 1, job.mode)
+        if progress.loaded:  # the tokens copied from a tier hit are reused
             self.metrics.count("tokens_reused", reused, job.mode)
         if self.tier is not None and not progress.loaded and self._holds(job.entry_blocks, job.epoch):
             self.tier.save(job.key, job.entry_tokens, job.num_tokens, job.mode, device.read_blocks(job.entry_blocks))
