@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from perf.common import results_index
+from perf.common import freshness, results_index
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = sorted(["README.md", *(str(p.relative_to(REPO)) for p in (REPO / "docs").glob("*.md")),
@@ -40,12 +40,12 @@ def test_the_results_index_is_current():
 
 def test_every_result_file_has_a_row():
     named = {f for _, files, *_ in results_index.rows() for f in files}
-    assert named == {f.name for f in results_index.RESULTS.iterdir() if f.is_file()}
+    assert named == {f.name for f in freshness.RESULTS.iterdir() if f.is_file()}
 
 
 def test_an_unknown_result_file_is_refused(tmp_path, monkeypatch):
     (tmp_path / "mystery.png").write_bytes(b"")
-    monkeypatch.setattr(results_index, "RESULTS", tmp_path)
+    monkeypatch.setattr(freshness, "RESULTS", tmp_path)
     with pytest.raises(ValueError, match="mystery.png"):
         results_index.rows()
 

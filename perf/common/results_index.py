@@ -23,7 +23,6 @@ from pathlib import Path
 from perf.common import freshness
 from perf.common.harness import REPO
 
-RESULTS = freshness.RESULTS
 PAGE = REPO / "docs" / "benchmarks.md"
 BEGIN, END = "<!-- results-index:begin -->", "<!-- results-index:end -->"
 
@@ -83,7 +82,7 @@ def rows() -> list[tuple[str, list[str], str | None, str, list[str], str]]:
     """(group, the row's files, command, a note, citing pages, the code it measured: current,
     stale, pending or unrecorded, ``freshness.py``), a row per JSON (its plot and log beside it)
     and per file recorded in ``UNRECORDED``, by group then name."""
-    files = sorted(f.name for f in RESULTS.iterdir() if f.is_file())
+    files = sorted(f.name for f in freshness.RESULTS.iterdir() if f.is_file())
     citing, out, placed = cited_by(files), [], set()
     now, acks = freshness.code_digest(), freshness.load_acks()
     for name in files:
@@ -91,7 +90,7 @@ def rows() -> list[tuple[str, list[str], str | None, str, list[str], str]]:
             continue
         beside = [n for n in files if n != name and Path(n).stem == Path(name).stem and n not in UNRECORDED]
         note = ""
-        result = json.loads((RESULTS / name).read_text()) if name.endswith(".json") else {}
+        result = json.loads((freshness.RESULTS / name).read_text()) if name.endswith(".json") else {}
         if name in UNRECORDED:
             group, command, note = UNRECORDED[name]
         else:
