@@ -350,7 +350,8 @@ def test_a_blend_request_whose_misses_cost_more_than_its_prefill_is_prefilled_by
     assert not (work.jobs or work.fills or work.loads) and context.metrics.blend_full_prefills == 1
     so, work = step(scheduler, done_before=0)
     assert so.num_scheduled_tokens == {"p": 64} and [len(j.token_ids) for j in work.jobs] == [40, 110]
-    assert [c[0] for c in work.counts if c[0] != "lookup_seconds"] == ["lookups", "misses"]  # the chunk's; nothing reused
+    assert [c[0] for c in work.counts if c[0] != "lookup_seconds"] == ["lookups"]  # the chunk's; nothing reused
+    assert [j.counted for j in work.jobs] == [False, True]  # the chunk's miss, counted once its job has run
     while scheduler.has_unfinished_requests():
         step(scheduler, done_before=2)
     scheduler.add_request(blend("q", SYS + C1 + list(range(5000, 5020)), [40, 150]))
