@@ -298,3 +298,23 @@ def test_a_builds_own_environment_reaches_its_processes_and_no_test(fresh, tmp_p
     assert first_saw.read_text() == "own"
     engine.shutdown()
     engines.finish()
+
+
+def test_a_dead_servers_metrics_raise_with_its_exit_and_log(tmp_path):
+    """A run that reads /metrics of a server that died says so, with the end of its log (a CI soak
+    once showed only "Connection refused")."""
+    import socket
+
+    from perf.common.server import Servers
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # nothing listens once closed
+    log = tmp_path / "server.log"
+    log.write_text("started\nValueError: Counters can only be incremented by non-negative amounts.\n")
+    process = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    process.wait()
+    servers = Servers(None, None, 0, 0, tmp_path)
+    servers.current = SimpleNamespace(url=f"http://127.0.0.1:{port}", log_path=log, process=process)
+    with pytest.raises(RuntimeError, match=r"exited with 3(.|\n)*non-negative amounts"):
+        servers.metrics()

@@ -249,8 +249,16 @@ class Servers:
         return self.current is not None and self.current.process.poll() is not None
 
     def metrics(self) -> dict[str, float]:
-        """graphchunk's samples and the vLLM ones this run reads, by name (labels summed)."""
-        samples = scrape(self.current.url)
+        """graphchunk's samples and the vLLM ones this run reads, by name (labels summed). An
+        unreadable /metrics raises with the server's state and its log's last lines."""
+        try:
+            samples = scrape(self.current.url)
+        except OSError as exc:
+            server = self.current
+            lines = Path(server.log_path).read_text(errors="replace").splitlines()[-40:]
+            state = f"exited with {server.process.poll()}" if server.process.poll() is not None else "running"
+            raise RuntimeError(f"/metrics of {server.url} unreadable ({exc}); the server {state}; "
+                               f"the end of {server.log_path}:\n" + "\n".join(lines)) from exc
         found: dict[str, float] = {}
         for name, _, value in samples:  # every engine's series summed; prometheus_client's _created stamps left out
             if name.startswith(PROMETHEUS_PREFIX) and not name.endswith("_created"):
