@@ -254,9 +254,9 @@ class Servers:
         try:
             samples = scrape(self.current.url)
         except OSError as exc:
-            server = self.current
+            server, code = self.current, self.current.process.poll()
             lines = Path(server.log_path).read_text(errors="replace").splitlines()[-40:]
-            state = f"exited with {server.process.poll()}" if server.process.poll() is not None else "running"
+            state = f"exited with {code}" if code is not None else "running"
             raise RuntimeError(f"/metrics of {server.url} unreadable ({exc}); the server {state}; "
                                f"the end of {server.log_path}:\n" + "\n".join(lines)) from exc
         found: dict[str, float] = {}
