@@ -11,7 +11,10 @@ recorded source of every other admitted release).
     get_kv_cache_config_from_groups = vllm_name("get_kv_cache_config_from_groups")
 
 A release outside ``RELEASES`` is refused by ``release()`` with the admitted ones named, rather
-than run on guesses. Signatures that grew (``ServingRender.render_chat_request`` gained
+than run on guesses. vLLM 0.34 removed Model Runner V1 (``vllm/v1/worker/gpu_model_runner.py``,
+``cpu_model_runner.py``), the runner graphchunk's extends: 0.34 and every later release are refused
+saying so (their source, read with ``python -m graphchunk.contract.check --source``, lacks the
+runner's hooks and state). Signatures that grew (``ServingRender.render_chat_request`` gained
 ``engine_chat_template_kwargs`` in 0.33) need no branch: graphchunk's wrapper forwards what it
 does not read.
 """
@@ -21,6 +24,9 @@ import importlib
 
 RELEASES = ("0.32", "0.33")
 """The vLLM releases (major.minor) graphchunk admits, oldest first."""
+
+V1_RUNNER_REMOVED = "0.34"
+"""The first vLLM release without Model Runner V1, which graphchunk's runner extends."""
 
 MOVED: dict[str, dict[str, str]] = {
     # vLLM 0.33 split kv_cache_utils: the config planning went to its own module.
@@ -57,9 +63,16 @@ def release(version: str | None = None) -> str:
         version = vllm.__version__
     found = release_of(version)
     if found not in RELEASES:
-        raise UnsupportedVLLM(f"graphchunk supports vLLM {' and '.join(RELEASES)}; this is vLLM {version}: "
+        why = (", which has no Model Runner V1 (vLLM 0.34 removed it), the runner graphchunk's extends"
+               if _order(found) >= _order(V1_RUNNER_REMOVED) else "")
+        raise UnsupportedVLLM(f"graphchunk supports vLLM {' and '.join(RELEASES)}; this is vLLM {version}{why}: "
                               f"install a supported release (pip install 'graphchunk[cuda]' picks one)")
     return found
+
+
+def _order(found: str) -> tuple[int, ...]:
+    """``(0, 34)`` for ``'0.34'``; a part that is no number sorts first."""
+    return tuple(int(part) if part.isdigit() else -1 for part in found.split("."))
 
 
 def module_of(name: str, version: str | None = None) -> str:

@@ -104,8 +104,11 @@ class GraphChunkConfig:
     BLAKE2b MAC and only files made with that secret are served, so that no one without it shapes
     what requests read (docs/tier.md, trust model). '': unkeyed files (xxh3: corruption, not forgery)."""
     host_bytes: int = 0
-    """Budget of the host-memory tier in front of ``store_path`` (``cache/host_tier.py``; pinned on CUDA);
-    0: none."""
+    """Budget of the tier's host-memory level (``cache/host_tier.py``; pinned on CUDA): every entry
+    computed into the pool (or loaded from ``store_path``) is kept there too, least recently used
+    dropped first, and a pool miss it holds is a copy instead of a forward. Alone (no
+    ``store_path``) nothing leaves the process, and the pool (``pool_tokens``) is the device's hot
+    set in front of it. 0: none."""
     miss_budget: int = 512
     """Chunk-miss tokens graphchunk computes per step beside what vLLM schedules (vLLM's token
     budget does not see them): a request waits (vLLM's asynchronous KV load) while its misses are
@@ -125,7 +128,8 @@ class GraphChunkConfig:
     those entries for later requests from the next step on, never in its way; 'blend' makes it
     wait for its misses and blends it like any other. Applies to the policies whose KV vLLM's
     prefix cache never shares between requests (question and cacheblend at a ratio strictly
-    between 0 and 1); not with ``store_path``, whose tier may serve a miss for the price of a copy."""
+    between 0 and 1); not with a tier (``store_path`` or ``host_bytes``), which may serve a miss for the
+    price of a copy."""
     blend_entries: str = "alone"
     """Where the pool entries of chunks a full-prefilled blend request (``blend_misses`` 'prefill')
     lacked come from: 'alone' (each chunk computed alone at [0, L), DESIGN.md §2, from the next step
@@ -183,9 +187,6 @@ class GraphChunkConfig:
             raise ConfigError(f"graphchunk.host_bytes must be >= 0, got {self.host_bytes}")
         if self.store_key_file and not self.store_path:
             raise ConfigError("graphchunk.store_key_file signs the persistent tier's files: set graphchunk.store_path too")
-        if self.host_bytes and not self.store_path:
-            raise ConfigError("graphchunk.host_bytes is the host-memory tier in front of the persistent tier: "
-                              "set graphchunk.store_path too")
         if self.mode not in MODE_SETTINGS:
             raise ConfigError(f"graphchunk.mode must be one of {MODE_SETTINGS}, got {self.mode!r}")
         if self.blend_entries not in BLEND_ENTRIES:
@@ -205,13 +206,19 @@ class GraphChunkConfig:
         except ValueError as exc:
             raise ConfigError(f"graphchunk.recompute*: {exc}") from None
 
+    @property
+    def tiered(self) -> bool:
+        """Whether a tier below the pool may serve a pool miss: host memory (``host_bytes``), the
+        directory (``store_path``), or both."""
+        return bool(self.host_bytes or self.store_path)
+
     def pool_blocks(self, block_size: int) -> int:
         """KV-cache blocks of ``block_size`` tokens that hold ``pool_tokens`` (0 until sized)."""
         return cdiv(self.pool_tokens, block_size)
 
     def default_mode(self, blend_refusal: str | None) -> str:
         """The mode of a segmented request that names none: ``mode``; for 'auto', blend unless
-        ``blend_refusal`` says why this model cannot blend (``rope.hf_rope_refusal``)."""
+        ``blend_refusal`` says why this model cannot blend (``rope.blend_refusal``)."""
         if self.mode != "auto":
             return self.mode
         return "isolated" if blend_refusal else "blend"

@@ -20,8 +20,9 @@ import numpy as np
 
 from graphchunk.config import GraphChunkConfig
 from graphchunk.documents import document_messages, hf_render, place_documents
-from graphchunk.engine.frontend import (BLOCK_ARG, BOUNDARIES_ARG, LAYERS_ARG, MODE_ARG, OFF, RATIO_ARG, RECOMPUTE_ARG,
-                                        SEPARATOR_ARG, SINKS_ARG, SPREAD_ARG, TEMPERATURE_ARG, TOKENS_ARG)
+from graphchunk.engine.request_args import (BLOCK_ARG, BOUNDARIES_ARG, LAYERS_ARG, MODE_ARG, OFF, RATIO_ARG,
+                                            RECOMPUTE_ARG, SEPARATOR_ARG, SINKS_ARG, SPREAD_ARG, TEMPERATURE_ARG,
+                                            TOKENS_ARG)
 from graphchunk.metrics import POOL_FIELDS, new_metrics_file, read_published
 
 

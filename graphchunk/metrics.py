@@ -77,8 +77,8 @@ class CacheMetrics:
     blend_question_fallbacks: int = _counter("Steps of 'question'-policy requests ranked by CacheBlend's deviation: "
                                              "the step filled context without the whole question")
     blend_tier_hits: int = _counter("Tier hits of blend-mode requests")
-    tier_hits: int = _counter("Chunk-pool lookups missing the pool and served from the persistent tier")
-    tier_loads: int = _counter("Entries (sys prompts and chunks) loaded from the persistent tier")
+    tier_hits: int = _counter("Chunk-pool lookups missing the pool and served from the tier (host memory or directory)")
+    tier_loads: int = _counter("Entries (sys prompts and chunks) loaded from the tier (host memory or directory)")
     tier_rejected: int = _counter("Tier files not served: truncated, corrupt, unreadable or another engine's")
     tier_writes: int = _counter("Entries written to the persistent tier")
     tier_write_errors: int = _counter("Tier writes that failed")

@@ -22,7 +22,9 @@ from unittest import mock
 import torch
 
 from graphchunk.cache.context_run import POISONED, ContextRunner
+from graphchunk.cache.host_tier import HostTier
 from graphchunk.cache.keys import KeySpace
+from graphchunk.cache.tier import Tier
 from graphchunk.config import GraphChunkConfig
 from graphchunk.engine.chunk_engine import ChunkEngine
 from graphchunk.engine.connector import GraphChunkHandshake, GraphChunkWorkerMeta, connector_config, work_of
@@ -49,6 +51,8 @@ class ContentDevice:
         self.kv: dict[int, tuple] = {}
         self.blocks: dict[str, list[int]] = {}
         """Each request's block ids at vLLM's last forward of it (``request_blocks``)."""
+        self.payloads: list = []
+        """What ``read_blocks``' tensors name: the KV of each slot read."""
 
     def request_blocks(self, req_id: str) -> list[int]:
         return self.blocks[req_id]
@@ -81,6 +85,17 @@ class ContentDevice:
             for o in range(BLOCK):
                 if s * BLOCK + o in self.kv:
                     self.kv[d * BLOCK + o] = self.kv[s * BLOCK + o]
+
+    def read_blocks(self, block_ids):
+        """The blocks' KV as a host tensor, as ``KVCopier.read_blocks`` gives it ([1 layer, blocks,
+        BLOCK], what the tier's host level keeps): each element names its slot's KV in ``payloads``."""
+        first = len(self.payloads)
+        self.payloads += [self.kv.get(self.slot(block_ids, i)) for i in range(len(block_ids) * BLOCK)]
+        return torch.arange(first, len(self.payloads)).reshape(1, len(block_ids), BLOCK)
+
+    def write_blocks(self, block_ids, data):
+        for i, name in enumerate(data.reshape(-1).tolist()):
+            self.kv[self.slot(block_ids, i)] = self.payloads[name]
 
     def copy_slots(self, src, dst, key_temperature=1.0):
         values = [self.kv.get(s) for s in src.tolist()]  # read all, then write: one copy kernel
@@ -125,13 +140,17 @@ def in_context(request, t: int, got) -> bool:
 
 
 class Workers:
-    """Two tensor-parallel ranks of graphchunk's worker engine, each over its own fake device."""
+    """Two tensor-parallel ranks of graphchunk's worker engine, each over its own fake device; with
+    ``host_bytes``, each over its own host-memory tier level (the ranks see the same jobs in the same
+    order, so their levels hold the same entries: ``all_ranks`` is not played)."""
 
     def __init__(self, config: GraphChunkConfig, handshake: PoolHandshake, rng: random.Random):
         self.rng, self.config, self.prefix = rng, config, handshake.space.blend_prefix
         self.engines = []
         for _ in range(RANKS):
-            runner = ContextRunner(BLOCK, BUDGET, CacheMetrics())
+            metrics = CacheMetrics()
+            tier = Tier(HostTier(config.host_bytes, metrics), None, metrics) if config.host_bytes else None
+            runner = ContextRunner(BLOCK, BUDGET, metrics, tier=tier)
             stats = StatsReport(runner.metrics, WORKER_FIELDS) if not self.engines else None  # rank 0 reports
             self.engines.append(ChunkEngine(config, runner.metrics, runner, ContentDevice(), handshake, BUDGET,
                                             report=stats))

@@ -125,7 +125,7 @@ def test_paired_differences_match_prompts_not_positions():
 
 def test_a_settings_refinements_are_the_extra_args_it_sends():
     """A refined setting is its label and the engine's per-request extra_args (what a row records)."""
-    from graphchunk.engine.frontend import LAYERS_ARG, TEMPERATURE_ARG
+    from graphchunk.engine.request_args import LAYERS_ARG, TEMPERATURE_ARG
 
     hot = one_setting("isolated:0.8")
     assert hot.label == "isolated T=0.8" and hot.extra == {"graphchunk_mode": "isolated", TEMPERATURE_ARG: 0.8}

@@ -332,7 +332,7 @@ def test_blend_runs_as_full_prefill_where_the_model_cannot_blend():
     from graphchunk.config import GraphChunkConfig
     from graphchunk.engine.blend_support import BlendSupport
     from graphchunk.engine.context_scheduler import ContextScheduler, PoolHandshake
-    from graphchunk.engine.frontend import chunk_request
+    from graphchunk.engine.request_args import chunk_request
 
     args = {"graphchunk_boundaries": [2, 5, 8], "graphchunk_mode": "blend", "graphchunk_recompute": "cacheblend",
             "graphchunk_recompute_ratio": 0.3, "graphchunk_recompute_tokens": 4}

@@ -19,7 +19,7 @@ from exactness import (BLEND_FULL, BLEND_NONE, FIRST_TOKEN_TOL, LIMITS, LOGPROB_
 from graphchunk.blend.recompute import RecomputePolicy, cacheblend_tokens, select_tokens
 from graphchunk.config import GraphChunkConfig
 from graphchunk.device import consecutive_runs
-from graphchunk.engine.frontend import BOUNDARIES_ARG
+from graphchunk.engine.request_args import BOUNDARIES_ARG
 from graphchunk.llm import RagPrompt
 from graphchunk.segments import split_at
 

@@ -5,12 +5,15 @@ KV it attends to is already in place, so a missing partial-block copy or a wrong
 """
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings, strategies as st
 
 from graphchunk.cache.chunk_cache import ChunkCache, PseudoSeq, ScheduledPrompt, split_forward_batches
+from graphchunk.cache.host_tier import HostTier
 from graphchunk.cache.keys import KeySpace
 from graphchunk.cache.pool import ChunkPool, PoolExhausted
-from graphchunk.metrics import COUNTERS
+from graphchunk.cache.tier import Tier
+from graphchunk.metrics import COUNTERS, CacheMetrics
 from graphchunk.segments import split_at
 
 BS = 4
@@ -308,20 +311,89 @@ def test_tier_miss_on_another_salt_or_sys():
 def test_small_pool_over_a_tier_computes_each_entry_once(picks, pools):
     """Evicted entries come back from the tier: every context stays exact and each distinct
     chunk (and the sys prompt) is computed once over the whole trace, whatever the pool size."""
-    docs = [make_prompt(3, [5 + d], base=d).chunk_tokens(0) for d in range(6)]
-    sys = tuple(range(500, 503))
     tier, device = FakeTier(), FakeDevice()
     cc = cache(num_blocks=pools, tier=tier)
+    distinct = run_trace(cc, device, picks)
+    assert device.forward_tokens == 3 + sum(len(TRACE_DOCS[d]) for d in distinct)
+    assert cc.metrics.misses == len(distinct) and tier.saves == 1 + len(distinct)
+
+
+TRACE_DOCS = [make_prompt(3, [5 + d], base=d).chunk_tokens(0) for d in range(6)]
+"""The documents ``run_trace``'s requests pick from (5 to 10 tokens)."""
+
+
+def run_trace(cc, device, picks, after_each=lambda: None) -> set[int]:
+    """One request per pick of ``TRACE_DOCS`` behind a 3-token sys prompt, materialized in turn:
+    every context exact and the pool's invariants held after each (then ``after_each()``); returns
+    the documents picked."""
+    sys = tuple(range(500, 503))
     for i, pick in enumerate(picks):
-        ids = list(sys) + [t for d in pick for t in docs[d]] + [9, 9]
-        seg = split_at(ids, np.cumsum([3] + [len(docs[d]) for d in pick]).tolist(), max_chunks=4, max_chunk_len=64)
+        ids = list(sys) + [t for d in pick for t in TRACE_DOCS[d]] + [9, 9]
+        bounds = np.cumsum([3] + [len(TRACE_DOCS[d]) for d in pick]).tolist()
+        seg = split_at(ids, bounds, max_chunks=4, max_chunk_len=64)
         prompt = ScheduledPrompt(seg, None, 0, seg.layout.num_tokens, request_blocks(100 * i, seg))
         cc.materialize([prompt], device)
         check_context(device, prompt)
         cc.pool.check_invariants()
-    distinct = {d for pick in picks for d in pick}
-    assert device.forward_tokens == 3 + sum(len(docs[d]) for d in distinct)
-    assert cc.metrics.misses == len(distinct) and tier.saves == 1 + len(distinct)
+        after_each()
+    return {d for pick in picks for d in pick}
+
+
+class PayloadDevice(FakeDevice):
+    """A ``FakeDevice`` whose block reads are tensors, as ``KVCopier.read_blocks`` gives them
+    ([1 layer, blocks, block_size]), for the real host-memory level: each element names the slot's
+    fake KV in a table the device keeps (a copy of the payload is a copy of the names)."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = [None]
+
+    def read_blocks(self, block_ids):
+        self.table += super().read_blocks(block_ids)
+        first = len(self.table) - len(block_ids) * BS
+        return torch.arange(first, len(self.table)).reshape(1, len(block_ids), BS)
+
+    def write_blocks(self, block_ids, data):
+        super().write_blocks(block_ids, [self.table[i] for i in data.reshape(-1).tolist()])
+
+
+@settings(max_examples=30, deadline=None)
+@given(picks=st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=3, unique=True), min_size=2, max_size=8),
+       pools=st.integers(6, 10), host_entries=st.sampled_from([2, 100]))
+def test_small_pool_over_host_memory_alone(picks, pools, host_entries):
+    """host_bytes without store_path: entries evicted from the pool come back from host memory,
+    every context exact; with room for every entry each is computed once, and every load is a host
+    hit; with room for about two, host memory drops the least recently used and keeps to its budget."""
+    device, metrics = PayloadDevice(), CacheMetrics()
+    budget = host_entries * 3 * BS * 8  # entries of up to 3 blocks, 8-byte names
+    cc = ChunkCache(ChunkPool(pools, BS, first_block_id=1000, metrics=metrics), KeySpace("m", "f32"), 1000,
+                    tier=Tier(HostTier(budget, metrics), None, metrics))
+
+    def within_budget():
+        assert metrics.tier_host_bytes <= budget
+
+    distinct = run_trace(cc, device, picks, within_budget)
+    assert metrics.tier_loads == metrics.tier_host_hits and metrics.lookups == metrics.hits + metrics.tier_hits + \
+        metrics.misses
+    if host_entries == 100:
+        assert device.forward_tokens == 3 + sum(len(TRACE_DOCS[d]) for d in distinct)
+        assert metrics.misses == len(distinct) and metrics.tier_hits == metrics.lookups - metrics.hits - len(distinct)
+
+
+def test_an_entry_evicted_from_the_pool_is_served_from_host_memory():
+    """The same request twice through a pool that holds one context: the second finds its chunks
+    evicted by a request in between and loads them from host memory, computing nothing."""
+    a, b = make_prompt(3, [5, 7]), make_prompt(3, [6, 6], base=50)
+    device, metrics = PayloadDevice(), CacheMetrics()
+    cc = ChunkCache(ChunkPool(6, BS, first_block_id=1000, metrics=metrics), KeySpace("m", "f32"), 1000,
+                    tier=Tier(HostTier(1 << 20, metrics), None, metrics))
+    for i, seg in enumerate([a, b, a]):
+        prompt = ScheduledPrompt(seg, None, 0, seg.layout.num_tokens, request_blocks(100 * i, seg))
+        computed = device.forward_tokens
+        cc.materialize([prompt], device)
+        check_context(device, prompt)
+    assert device.forward_tokens == computed and metrics.evictions > 0
+    assert (metrics.tier_hits, metrics.misses) == (2, 4) and metrics.tier_host_hits == metrics.tier_loads >= 2
 
 
 # --- the epoch check: a copy reads only what it planned (context_run.py) ------------------------

@@ -26,7 +26,7 @@ def test_defaults_and_section():
                                       "graphchunk.store_path"),
     ({"store_bytes": 1.5}, "graphchunk.store_bytes must be int"),
     ({"host_bytes": -1}, "graphchunk.host_bytes must be >= 0"),
-    ({"host_bytes": 1 << 30}, "host_bytes is the host-memory tier in front of the persistent tier: set graphchunk.store_path"),
+    ({"host_bytes": 1.5}, "graphchunk.host_bytes must be int, got 1.5"),
     ({"recompute": "all"}, r"graphchunk.recompute\*: recompute policy must be one of \('none', 'cacheblend', 'legolink', 'question'\), got 'all'"),
     ({"recompute": 1}, "graphchunk.recompute must be str, got 1"),
     ({"recompute_ratio": 1.5}, r"recompute ratio must be a number in \[0, 1\], got 1.5"),
@@ -47,6 +47,14 @@ def test_defaults_and_section():
 def test_invalid_settings_name_the_problem(raw, message):
     with pytest.raises(ConfigError, match=message):
         GraphChunkConfig.from_dict(raw)
+
+
+def test_host_memory_is_a_tier_of_its_own():
+    """host_bytes alone is a tier (no directory); a store key still needs the directory it signs."""
+    assert GraphChunkConfig.from_dict({"host_bytes": 1 << 30}).tiered
+    assert GraphChunkConfig(store_path="/srv/t").tiered and not GraphChunkConfig().tiered
+    with pytest.raises(ConfigError, match="store_key_file signs the persistent tier's files"):
+        GraphChunkConfig(host_bytes=1 << 30, store_key_file="/etc/key")
 
 
 def test_section_must_be_a_dict():

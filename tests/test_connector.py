@@ -3,6 +3,7 @@ played by the test): what vLLM schedules for segmented requests, the work the co
 workers, the pool references it holds, and the connector's configuration."""
 from __future__ import annotations
 
+import dataclasses
 import os
 from types import SimpleNamespace
 from unittest import mock
@@ -16,7 +17,8 @@ from graphchunk.engine.connector import (KV_CONNECTOR, GraphChunkHandshake, Grap
                                          connector_config, graphchunk_connector, work_of, worker_meta_of)
 from graphchunk.engine.context_scheduler import PoolHandshake, StepWork
 from graphchunk.engine.kv_events import event_blocks
-from graphchunk.engine.frontend import BOUNDARIES_ARG, SALT_ARG, kv_salt
+from graphchunk.engine.frontend import kv_salt
+from graphchunk.engine.request_args import BOUNDARIES_ARG, SALT_ARG
 from graphchunk.metrics import METRICS_FILE_ENV
 
 BLOCK = 32
@@ -86,6 +88,11 @@ def step(scheduler, done_before: int, loaded=()):
     so = scheduler.schedule()
     scheduler.update_from_output(so, worker_output(so, done_before, loaded))
     return so, work_of(so.kv_connector_metadata)
+
+
+def reconfigure(context, **changes) -> None:
+    """The scheduler's settings changed in place, its admission's with them."""
+    context.config = context.admission.config = dataclasses.replace(context.config, **changes)
 
 
 SYS, C1, C2 = list(range(1000, 1040)), list(range(2000, 2110)), list(range(3000, 3130))
@@ -302,14 +309,12 @@ def test_a_blend_request_with_misses_waits_unallocated_then_loads_in_the_step_th
     request is scheduled: a blend request with misses is not loaded asynchronously. It waits, its
     jobs sent, without blocks; once they have run it loads synchronously (fill and recompute before
     the forward of the step that schedules it)."""
-    import dataclasses
-
     from vllm import SamplingParams
     from vllm.v1.request import Request, RequestStatus
 
     scheduler, hasher = make_scheduler()
     context = scheduler.connector._context()
-    context.config = dataclasses.replace(context.config, blend_misses="blend")  # else prefilled: the next test
+    reconfigure(context, blend_misses="blend")  # else prefilled: the next test
     params = SamplingParams(max_tokens=4, extra_args={BOUNDARIES_ARG: [40, 150], "graphchunk_mode": "blend"})
     scheduler.add_request(Request("b", SYS + C1 + Q, params, None, block_hasher=hasher))
     so, work = step(scheduler, done_before=0)
@@ -405,12 +410,10 @@ def test_blend_entries_context_captures_a_full_prefill_s_segments_in_the_step_co
 def capturing(context, hasher, salt: str | None):
     """Switches ``context`` to blend_entries 'context'; a maker of blend requests under ``salt``
     (the client's cache_salt, as graphchunk's frontend writes it into the chunk-key salt)."""
-    import dataclasses
-
     from vllm import SamplingParams
     from vllm.v1.request import Request
 
-    context.config = dataclasses.replace(context.config, blend_entries="context")
+    reconfigure(context, blend_entries="context")
 
     def blend(req_id, tokens, boundaries, salt=salt):
         args = {BOUNDARIES_ARG: boundaries, "graphchunk_mode": "blend"}
@@ -433,7 +436,7 @@ def test_blend_entries_context_captures_only_inside_one_cache_salt(make_schedule
         req_id = f"anonymous{n}"
         scheduler.add_request(blend(req_id, SYS + chunk + Q, [40, 40 + len(chunk)], salt=salt))
         so, work = step(scheduler, done_before=2 * n)
-        assert so.num_scheduled_tokens == {req_id: 64} and req_id not in context._capturing
+        assert so.num_scheduled_tokens == {req_id: 64} and req_id not in context.admission.capturing
         so, work = step(scheduler, done_before=2 * n)  # its chunks computed alone, after its first step
         assert [len(job.token_ids) for job in work.jobs] == [40, len(chunk)] and not work.captures
         while scheduler.has_unfinished_requests():
@@ -449,7 +452,7 @@ def test_blend_entries_context_captures_only_inside_one_cache_salt(make_schedule
     scheduler.add_request(blend("b", SYS + C1 + list(range(5000, 5020)), [40, 150], salt="tenant-b"))
     so, work = step(scheduler, done_before=6)
     assert so.num_scheduled_tokens == {"b": 64} and not work.fills  # a full prefill: A's entries are not B's
-    assert "b" in context._capturing
+    assert "b" in context.admission.capturing
 
 
 def test_blend_entries_precompute_captures_the_last_chunk_behind_the_rest(make_scheduler):
@@ -457,14 +460,12 @@ def test_blend_entries_precompute_captures_the_last_chunk_behind_the_rest(make_s
     vLLM's full prefill whatever the pool holds, and only its last chunk is captured, its capture
     naming the tokens before it (written to the tier with the entry); nothing is computed alone.
     The same document last again is a pool hit: not captured twice."""
-    import dataclasses
-
     from graphchunk.cache.context_plan import context_identity
 
     scheduler, hasher = make_scheduler()
     context = scheduler.connector._context()
     blend = capturing(context, hasher, None)
-    context.config = dataclasses.replace(context.config, blend_entries="precompute", store_path="/nonexistent")
+    reconfigure(context, blend_entries="precompute", store_path="/nonexistent")
     captures, done = [], 0
     for req_id, tokens, bounds in (("c2-behind-c1", SYS + C1 + C2 + Q, [40, 150, 280]),
                                    ("c2-again", SYS + C2 + Q, [40, 170])):
@@ -486,14 +487,12 @@ def test_a_step_admits_all_hit_blend_requests_up_to_the_recompute_budget(make_sc
     240 chunk tokens and the 20-token question, 92) would pass ``recompute_budget`` (here 100), one
     at least; the budget is its own (``miss_budget`` does not bound it). The request put off is
     pending in the metrics until a later step admits it."""
-    import dataclasses
-
     from vllm import SamplingParams
     from vllm.v1.request import Request
 
     scheduler, hasher = make_scheduler()
     context = scheduler.connector._context()
-    context.config = dataclasses.replace(context.config, blend_misses="blend")  # "a" waits for its misses
+    reconfigure(context, blend_misses="blend")  # "a" waits for its misses
 
     def blend(req_id, question):
         params = SamplingParams(max_tokens=4, extra_args={BOUNDARIES_ARG: [40, 150, 280], "graphchunk_mode": "blend"})
@@ -506,7 +505,7 @@ def test_a_step_admits_all_hit_blend_requests_up_to_the_recompute_budget(make_sc
         step(scheduler, done_before=jobs)
     for n, (budgets, (first, second), admitted) in enumerate(((dict(miss_budget=100), "bc", ["b", "c"]),
                                                               (dict(recompute_budget=100), "de", ["d"]))):
-        context.config = dataclasses.replace(context.config, **budgets)
+        reconfigure(context, **budgets)
         scheduler.add_request(blend(first, list(range(8000 + 100 * n, 8020 + 100 * n))))
         scheduler.add_request(blend(second, list(range(9000 + 100 * n, 9020 + 100 * n))))
         so, work = step(scheduler, done_before=jobs)

@@ -3,9 +3,9 @@ metric or request argument fails here, not in a user's hands.
 
 Read from every page as text: ``graphchunk_*`` words are /metrics names (``graphchunk_`` + a field
 of ``metrics.SCHEMA``, ``_total`` added to counters) or request and document fields (the string
-constants of ``engine/frontend.py`` and ``documents.py``); the keys of every ``{"graphchunk":
-{...}}`` object and every ``graphchunk.NAME`` that is not a module are ``GraphChunkConfig``
-fields. A known limit's refusal is tested where it is raised (tests/test_worker_config.py).
+constants of ``engine/request_args.py``, ``engine/frontend.py`` and ``documents.py``); the keys of
+every ``{"graphchunk": {...}}`` object and every ``graphchunk.NAME`` that is not a module are
+``GraphChunkConfig`` fields. A known limit's refusal is tested where it is raised (tests/test_worker_config.py).
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def metric_names() -> set[str]:
 def field_names() -> set[str]:
     """The request arguments and document fields graphchunk reads: its modules' string constants."""
     found = set()
-    for module in ("graphchunk.engine.frontend", "graphchunk.documents"):
+    for module in ("graphchunk.engine.request_args", "graphchunk.engine.frontend", "graphchunk.documents"):
         found |= {value for value in vars(importlib.import_module(module)).values()
                   if isinstance(value, str) and re.fullmatch(r"graphchunk_\w+", value)}
     return found

@@ -6,11 +6,12 @@ from vllm import SamplingParams
 
 from graphchunk.blend.recompute import RecomputePolicy
 from graphchunk.config import GraphChunkConfig
-from graphchunk.engine.frontend import (BLOCK_ARG, BOUNDARIES_ARG, GRAPHCHUNK_ARGS, MODE_ARG, NONCE_MARK, RATIO_ARG,
-                                        RECOMPUTE_ARG, SALT_ARG, SEPARATOR_ARG, SINKS_ARG, SPREAD_ARG, TEMPERATURE_ARG,
-                                        TOKENS_ARG, UNCHUNKED_ARG, DocumentBoundaries, RequestAnnotator, beam_search_problem,
-                                        chunk_request, is_graphchunk_worker, json_boolean_problem, layout_fingerprint,
-                                        resolve_mode, temperature_refusal)
+from graphchunk.engine.frontend import (NONCE_MARK, DocumentBoundaries, RequestAnnotator, is_graphchunk_worker,
+                                        layout_fingerprint, temperature_refusal)
+from graphchunk.engine.request_args import (BLOCK_ARG, BOUNDARIES_ARG, GRAPHCHUNK_ARGS, MODE_ARG, RATIO_ARG,
+                                            RECOMPUTE_ARG, SALT_ARG, SEPARATOR_ARG, SINKS_ARG, SPREAD_ARG,
+                                            TEMPERATURE_ARG, TOKENS_ARG, UNCHUNKED_ARG, beam_search_problem,
+                                            chunk_request, json_boolean_problem, resolve_mode)
 from graphchunk.segments import SegmentationError
 
 
@@ -101,7 +102,7 @@ def test_an_unchunked_documents_request_is_ordinary_never_separator_split_and_ma
     UNCHUNKED; no separator detection runs (its text has one), the worker is told to count it,
     and a client cannot send that mark itself."""
     from graphchunk.engine.document_hooks import UNCHUNKED
-    from graphchunk.engine.frontend import UNCHUNKED_ARG
+    from graphchunk.engine.request_args import UNCHUNKED_ARG
 
     req = request(tokenizer, "Sys. ## Doc one. ## Question?", salt="s", extra_args={MODE_ARG: "blend"})
     annotator.annotate(req, UNCHUNKED)

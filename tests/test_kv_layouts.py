@@ -19,6 +19,12 @@ through a torch reference of each backend's KV-write op:
 The caches come from ``gpu_style.vllm_caches``. The slot map comes from the code path the runner
 uses (``KVSlotMap.probe`` on the real layer's cache, then ``verify`` on it), and the copier is the
 runner's (``KVCopier``).
+
+A seventh layout, vllm-ascend's (read at ``graphchunk.contract.ascend.COMMIT``): each layer's cache
+is a pair ``(k_cache, v_cache)`` of separate tensors ``[blocks, block_size, heads, head_size]``,
+built as ``NPUModelRunner`` builds them (``ascend_caches``) and written through a torch reference of
+its write op (``write_ascend``); its map is ``KVSlotMap.of_split``, checked by ``verify``, as
+``kv_binding.split_kv_layout`` does.
 """
 import numpy as np
 import pytest
@@ -209,3 +215,151 @@ def test_a_map_probed_on_a_contiguous_stand_in_is_refused(layout):
         wrong.verify(write_flash, caches[0], BLOCKS * BS - 1)
     right = KVSlotMap.probe(write_flash, caches[0], 0, BS, HEADS, DIM)
     assert (right.coords.tolist(), right.block_stride) != (wrong.coords.tolist(), wrong.block_stride)
+
+
+# --- the seventh layout: vllm-ascend's separate K and V tensors ------------------------------------
+
+def ascend_caches(dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per-layer ``(k_cache, v_cache)`` as vllm-ascend's ``NPUModelRunner`` builds them: per layer's
+    ``KVCacheTensor`` (of ``num_blocks * page_size_bytes`` bytes, one per layer for one full-attention
+    group), ``_allocate_kv_cache_tensors`` allocates K and V as two separate int8 buffers of
+    ``size / calc_split_factor([head_size, head_size])`` (2 each) bytes; ``_reshape_kv_cache_tensors``
+    views each as the KV dtype shaped ``AscendAttentionBackend.get_kv_cache_shape(num_blocks,
+    ...)[1:]``, i.e. ``[blocks, block_size, heads, head_size]``, with ``num_blocks`` = (K bytes + V
+    bytes) / the spec's page size."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=DIM, dtype=dtype)
+    size = BLOCKS * spec.page_size_bytes  # KVCacheTensor.size
+    caches = []
+    for _ in range(LAYERS):
+        split = [(DIM + DIM) / DIM] * 2  # calc_split_factor([k_dim, v_dim])
+        k_raw, v_raw = (torch.zeros(int(size // factor), dtype=torch.int8) for factor in split)
+        num_blocks = (k_raw.numel() + v_raw.numel()) // spec.page_size_bytes
+        shape = (2, num_blocks, BS, HEADS, DIM)[1:]  # get_kv_cache_shape(...)[1:]
+        caches.append((k_raw.view(dtype).view(shape), v_raw.view(dtype).view(shape)))
+    return caches
+
+
+def write_ascend(key, value, cache, slots):
+    """Torch reference of vllm-ascend's KV write (``DeviceOperator.reshape_and_cache``:
+    ``torch_npu.npu_scatter_pa_kv_cache`` in cache_mode 'Norm', ``_npu_reshape_and_cache`` on 310P):
+    each token's K/V at ``[slot // block_size, slot % block_size]`` of the K / V cache."""
+    k_cache, v_cache = cache
+    bs = k_cache.shape[1]
+    k_cache[slots // bs, slots % bs] = key
+    v_cache[slots // bs, slots % bs] = value
+
+
+def ascend_filled(dtype, seed: int):
+    caches = ascend_caches(dtype)
+    generator = torch.Generator().manual_seed(seed)
+    slots = torch.arange(BLOCKS * BS)
+    keys, values = (torch.randn(LAYERS, len(slots), HEADS, DIM, generator=generator).to(dtype) for _ in range(2))
+    for cache, key, value in zip(caches, keys, values):
+        write_ascend(key, value, cache, slots)
+    return caches, keys, values
+
+
+def ascend_copier(caches, path: str) -> KVCopier:
+    """``kv_binding.split_kv_layout``'s map (strides, then ``verify`` through the write op on the last
+    slot) and the runner's copier over the pairs."""
+    slot_map = KVSlotMap.of_split(*caches[0])
+    slot_map.verify(write_ascend, caches[0], BLOCKS * BS - 1)
+    writers = None if path == "gather-elements" else [write_ascend] * LAYERS
+    copier = KVCopier(caches, slot_map, BLOCKS, 0, writers=writers, gather=path == "indexed")
+    if path not in ("strided", "indexed"):
+        copier.views = None
+    return copier
+
+
+def ascend_moved(dtype, caches, keys, values, deltas=None, key_temperature=1.0):
+    want = ascend_caches(dtype)
+    for cache, target, key, value in zip(caches, want, keys, values):
+        for part, into in zip(cache, target):
+            into.copy_(part)
+        key = key[SRC] if deltas is None else rotation().rotate(key[SRC], torch.from_numpy(deltas))
+        write_ascend(key if key_temperature == 1 else key / key_temperature, value[SRC], target, torch.from_numpy(DST))
+    return want
+
+
+def same(got, want) -> bool:
+    return all(torch.equal(g, w) for pair_got, pair_want in zip(got, want) for g, w in zip(pair_got, pair_want))
+
+
+def test_ascend_caches_are_separate_k_and_v_tensors():
+    """What vllm-ascend hands each layer: two tensors of their own storage, block-outermost and
+    contiguous, so no single tensor per layer (and no ``shape.index(num_blocks)``) describes it."""
+    caches = ascend_caches(torch.float32)
+    assert all(isinstance(c, tuple) and len(c) == 2 for c in caches)
+    storages = {t.untyped_storage().data_ptr() for c in caches for t in c}
+    assert len(storages) == 2 * LAYERS
+    assert all(t.shape == (BLOCKS, BS, HEADS, DIM) and t.is_contiguous() for c in caches for t in c)
+    slot_map = KVSlotMap.of_split(*caches[0])
+    assert slot_map.split and slot_map.block_stride == BS * HEADS * DIM and None not in slot_map.strides
+
+
+@pytest.mark.parametrize("key_temperature", [1.0, 0.7], ids=["plain", "temperature"])
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ascend_slot_copy(dtype, path, key_temperature):
+    caches, keys, values = ascend_filled(dtype, seed=1)
+    want = ascend_moved(dtype, caches, keys, values, key_temperature=key_temperature)
+    ascend_copier(caches, path).copy_slots(SRC, DST, key_temperature)
+    assert same(caches, want)
+    slots = torch.from_numpy(DST)
+    for layer, (k_cache, v_cache) in enumerate(caches):  # by logical indexing
+        assert torch.equal(k_cache[slots // BS, slots % BS], keys[layer, SRC] / key_temperature
+                           if key_temperature != 1 else keys[layer, SRC])
+        assert torch.equal(v_cache[slots // BS, slots % BS], values[layer, SRC])
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ascend_rotated_copy_and_key_reads(dtype, path):
+    deltas = (np.arange(70) % 7 + 190) * np.where(np.arange(70) % 2, -1, 1)
+    caches, keys, values = ascend_filled(dtype, seed=2)
+    want = ascend_moved(dtype, caches, keys, values, deltas)
+    copier = ascend_copier(caches, path)
+    copier.copy_slots_rotated(SRC, DST, deltas, rotation())
+    rotated = rotation().rotate(keys[:, SRC], torch.from_numpy(deltas))
+    assert same(caches, want)
+    slots = torch.from_numpy(DST)
+    for layer, (k_cache, v_cache) in enumerate(caches):
+        assert torch.equal(k_cache[slots // BS, slots % BS], rotated[layer])
+        assert torch.equal(v_cache[slots // BS, slots % BS], values[layer, SRC])
+        assert torch.equal(copier.read_keys(layer, DST), rotated[layer])
+        assert torch.equal(copier.read_keys(layer, SRC), keys[layer, SRC])
+
+
+def test_ascend_block_copy_and_tier_blocks():
+    caches, _, _ = ascend_filled(torch.float32, seed=3)
+    copier = ascend_copier(caches, "strided")
+    assert copier.block_shape == [2, BS, HEADS, DIM]
+    data = copier.read_blocks([2, 5])
+    assert list(data.shape) == [LAYERS, 2, 2, BS, HEADS, DIM]
+    assert torch.equal(data[1, 0, 0], caches[1][0][2]) and torch.equal(data[1, 1, 1], caches[1][1][5])
+    want = [tuple(t.clone() for t in c) for c in caches]
+    for pair in want:
+        for t in pair:
+            t[[0, 3]] = t[[2, 5]]
+    copier.write_blocks([0, 3], data)
+    assert same(caches, want)
+    for pair in want:
+        for t in pair:
+            t[4] = t[1]
+    copier.copy_blocks([1], [4])
+    assert same(caches, want)
+
+
+def test_ascend_map_refuses_mla_pairs_and_a_wrong_map():
+    """MLA's pair (nope cache [.., kv_lora_rank], rope cache [.., qk_rope_head_dim]) has no common
+    K/V geometry: refused. A map from another layout fails ``verify`` on the pair."""
+    nope, rope = torch.zeros(BLOCKS, BS, 1, 512), torch.zeros(BLOCKS, BS, 1, 64)
+    with pytest.raises(ValueError, match="different shapes or strides"):
+        KVSlotMap.of_split(nope, rope)
+    caches = ascend_caches(torch.float32)
+    head_major = torch.zeros(BLOCKS, HEADS, BS, DIM).transpose(1, 2)  # the same shape, heads outside offsets
+    wrong = KVSlotMap.of_split(head_major, head_major)
+    with pytest.raises(RuntimeError, match="does not address the real KV cache"):
+        wrong.verify(write_ascend, caches[0], BLOCKS * BS - 1)

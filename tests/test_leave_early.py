@@ -319,10 +319,10 @@ def test_no_entry_is_captured_from_a_request_that_was_blended(vllm_scheduler):
     context.metadata(NO_STEP)  # its fill is sent: its blocks hold blended KV from now on
     context.reset()  # its entries evicted while it is preempted
     assert context.matched(request.request_id, request.prompt_token_ids, args, 0) == (0, False)  # full prefill
-    assert request.request_id not in context._capturing
+    assert request.request_id not in context.admission.capturing
     fresh = stream.make(SYS, docs(26000, 2, 40), [40003], mode, salt="tenant-a")
     assert context.matched(fresh.request_id, fresh.prompt_token_ids, fresh.sampling_params.extra_args, 0) == (0, False)
-    assert fresh.request_id in context._capturing
+    assert fresh.request_id in context.admission.capturing
 
 
 NO_STEP = SimpleNamespace(num_scheduled_tokens={}, scheduled_new_reqs=[],

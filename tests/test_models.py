@@ -71,8 +71,9 @@ def test_tiny_checkpoint_loads_and_is_reproducible(arch, tokenizer):
     assert logits.shape[-1] == len(tokenizer)
     assert torch.isfinite(logits).all()
     rebuilt = models._tiny_model(arch, tokenizer).state_dict()  # same seed, same weights
-    saved = load_file(path / "model.safetensors")
-    assert all(torch.equal(saved[name], rebuilt[name]) for name in saved)
+    # As loaded (transformers saves a mixture's experts one by one and fuses them again on load).
+    loaded = model.state_dict()
+    assert loaded.keys() == rebuilt.keys() and all(torch.equal(loaded[name], rebuilt[name]) for name in rebuilt)
 
 
 def test_tiny_architectures_have_their_features():
@@ -86,8 +87,8 @@ def test_tiny_architectures_have_their_features():
 
 
 def test_unknown_tiny_arch_lists_known_ones():
-    with pytest.raises(ValueError, match="llama3, qwen2, qwen3"):
-        models.tiny_checkpoint("mistral")
+    with pytest.raises(ValueError, match="gemma2, gemma3, glm4, granite, llama3, mistral"):
+        models.tiny_checkpoint("falcon")
 
 
 def test_cli_prints_checkpoint_path(capsys):

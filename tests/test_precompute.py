@@ -29,7 +29,7 @@ def test_documents_lines_carry_their_fields_and_segments_refuses_them(tmp_path):
     titled = {"title": "T", "text": "a"}
     path = write(tmp_path, [{"document": titled}, {"text": "a"}, {"document": {"text": "a"}}, {"document": titled}])
     assert read_corpus(path, "S", "isolated") == {("S", "isolated"): [titled, {"text": "a"}]}
-    with pytest.raises(ValueError, match="docs.jsonl:1: --format segments sends a document's text only"):
+    with pytest.raises(ValueError, match="docs.jsonl:1: --format segments and separator send a document's text only"):
         read_corpus(path, "S", "isolated", text_only=True)
 
 
@@ -75,7 +75,7 @@ def test_mode_auto_leaves_the_mode_to_the_engine(tmp_path):
             self.sent += [(p.chunks[0], params.extra_args) for p in prompts]
 
     engine = Engine()
-    assert precompute(engine, groups, documents=False, progress=False)["documents"] == 2
+    assert precompute(engine, groups, "segments", progress=False)["documents"] == 2
     assert engine.sent == [("a", None), ("b", {"graphchunk_mode": "isolated"})]
 
 
@@ -146,16 +146,16 @@ def test_a_contextualized_run_resumes_after_the_last_batch_it_wrote(tmp_path):
     todo = contextualized(groups, contexts(path, groups, "list", 2))
     setup = {"model": "m", "context": "list"}
     engine = CapturingEngine(fail={"Tea grows on terraced hillsides."})
-    result = precompute_contextualized(engine, todo, False, Journal(tmp_path / "store", setup, 2), False)
+    result = precompute_contextualized(engine, todo, "segments", Journal(tmp_path / "store", setup, 2), False)
     assert (result["documents"], result["skipped"], result["unwritten"]) == (5, 0, 1)
     assert engine.sent[1] == ("Qubits in superposition let quantum computers explore many states.",
                               "The cat sat on the mat and purred at the dog.",
                               "Quantum computers use qubits and superposition.")
     again = CapturingEngine()
-    result = precompute_contextualized(again, todo, False, Journal(tmp_path / "store", setup, 2), False)
+    result = precompute_contextualized(again, todo, "segments", Journal(tmp_path / "store", setup, 2), False)
     assert (result["skipped"], result["unwritten"], again.sent) == (4, 0, [("Tea grows on terraced hillsides.",)])
     other = CapturingEngine()  # other settings (or another context) compute everything again
-    precompute_contextualized(other, todo, False, Journal(tmp_path / "store", {**setup, "model": "n"}), False)
+    precompute_contextualized(other, todo, "segments", Journal(tmp_path / "store", {**setup, "model": "n"}), False)
     assert len(other.sent) == 5
 
 
@@ -163,3 +163,80 @@ def test_cli_refuses_a_context_it_cannot_build_before_starting_an_engine(tmp_pat
     path = write(tmp_path, [{"text": "x", "context": ["nope"]}])
     assert main(["--store", str(tmp_path / "s"), "--corpus", str(path), "--context", "list"]) == 2
     assert "not the id of another line" in capsys.readouterr().err
+
+
+def seeds_docs() -> list[str]:
+    """Real text (CPython help topics, as tests/test_tier.py) and the edges BPE might merge across:
+    punctuation, digits and non-ASCII at either end, spaces and a line break before the end, a
+    Markdown heading, and a separator inside (two chunks)."""
+    from pydoc_data.topics import topics
+
+    real = [" ".join(topics[name].split()[:60]) for name in sorted(topics)[:4]]
+    return [*real, "(see 3.14) — naïve café, 東京 ✓...", "ends with spaces  ", "two lines\nthe second.",
+            "intro\n## Heading\nbody 42", "first half ## second half", '"quoted" 123', "  leading spaces"]
+
+
+def separator_chunks(splitter, tokenizer, text: str) -> tuple[tuple, list[tuple]]:
+    """(sys tokens, each chunk's tokens) of ``text`` as the server splits a text prompt (tokenized
+    whole, as vLLM's renderer does, then ``SeparatorSplitter``)."""
+    seg = splitter.split(tokenizer.encode(text))
+    return seg.sys_tokens, [seg.chunk_tokens(i) for i in range(seg.layout.num_chunks)]
+
+
+@pytest.mark.parametrize("sys_prompt", ["Answer from the documents.", ""])
+def test_separator_precompute_chunks_are_every_seeds_form_requests_chunks(tokenizer, sys_prompt):
+    """``--format separator``: the (sys, chunk) tokens its requests store are those of real
+    multi-document requests ``sys ## d1 ## ... ## question`` (and, with an empty sys, the seeds'
+    ``## d1 ## ...``) with SmolLM2's tokenizer, for every document first, in the middle and last,
+    whatever its neighbours; a document holding the separator is two chunks in both. The same
+    documents as ``--format segments`` tokenizes them (alone) are never such a chunk."""
+    from graphchunk.llm import RagPrompt, encode_prompt
+    from graphchunk.segments import SeparatorSplitter
+    from graphchunk.tools.precompute import separator_prompts
+
+    splitter = SeparatorSplitter(tokenizer, "##", max_chunks=64, max_chunk_len=1 << 20)
+    docs = seeds_docs()
+    stored, counts = set(), {}
+    for doc in docs:
+        for text in separator_prompts(sys_prompt, [doc], "##", both_openings=True):
+            sys_tokens, chunks = separator_chunks(splitter, tokenizer, text)
+            stored |= {(sys_tokens, chunk) for chunk in chunks}
+            counts.setdefault(doc, len(chunks))
+    # one chunk per document (an empty sys: two, either opening), the split one's second half once more
+    assert len(stored) == (len(docs) if sys_prompt else 2 * len(docs)) + 1
+    orders = [docs[k:] + docs[:k] for k in range(len(docs))] + [docs[::-1]]  # each document first, inside, last
+    for order in orders:
+        text = " ## ".join([sys_prompt, *order, "Which statement is described first?"])
+        for request in ([text, text[1:]] if not sys_prompt else [text]):
+            sys_tokens, chunks = separator_chunks(splitter, tokenizer, request)
+            assert len(chunks) == sum(counts[doc] for doc in order)
+            missing = [tokenizer.decode(chunk) for chunk in chunks if (sys_tokens, chunk) not in stored]
+            assert not missing, (request[:40], missing)
+    if sys_prompt:  # the same user text in a chat request: the same chunks, behind the template's sys
+        user = " ## ".join([sys_prompt, *orders[-1], "Which statement is described first?"])
+        rendered = tokenizer.apply_chat_template([{"role": "user", "content": user}], tokenize=False,
+                                                 add_generation_prompt=True)
+        _, chunks = separator_chunks(splitter, tokenizer, rendered)
+        assert len(chunks) == len(docs) + 1 and set(chunks) <= {chunk for _, chunk in stored}
+    for doc in docs:
+        ids, (start, end) = encode_prompt(tokenizer, RagPrompt(sys_prompt, [doc], "?"))
+        assert all(chunk != tuple(ids[start:end]) for _, chunk in stored)
+
+
+def test_separator_format_sends_the_seeds_form_split_at_the_separator(tmp_path, capsys):
+    """Each document's request is the text ``sys # # document # # ?`` split at the separator; with
+    an empty sys also the form that opens with it; a blank separator is refused before an engine."""
+    groups = read_corpus(write(tmp_path, [{"text": "a b"}, {"text": "c", "sys": ""}]), "S", "isolated")
+
+    class Engine(CapturingEngine):
+        def generate(self, prompts, params, use_tqdm, separator):
+            self.sent += [(prompt, separator, params.extra_args) for prompt in prompts]
+
+    engine = Engine()
+    assert precompute(engine, groups, "separator", progress=False, separator=" # # ")["documents"] == 2
+    mode = {"graphchunk_mode": "isolated"}
+    assert engine.sent == [("S # # a b # # ?", " # # ", mode), (" # # c # # ?", " # # ", mode),
+                           ("# # c # # ?", " # # ", mode)]
+    assert main(["--store", str(tmp_path / "s"), "--corpus", str(tmp_path / "docs.jsonl"), "--format", "separator",
+                 "--separator", " "]) == 2
+    assert "--separator must hold a non-whitespace character" in capsys.readouterr().err

@@ -18,7 +18,8 @@ from conftest import GC_LLM_BLOCK_SIZE, GC_LLM_MAX_BATCHED_TOKENS
 from exactness import (FIRST_TOKEN_TOL, LIMITS, LOGPROB_TOL, MAX_TOKENS, MEASURED, TextSource,
                        assert_matches_oracle, assert_matches_reference, make_splitter, reference, run, sampling,
                        sep_prompt, text_sources)
-from graphchunk.engine.frontend import BOUNDARIES_ARG, layout_fingerprint
+from graphchunk.engine.frontend import layout_fingerprint
+from graphchunk.engine.request_args import BOUNDARIES_ARG
 from graphchunk.llm import RagPrompt
 from graphchunk.segments import SegmentedPrompt, split_at
 

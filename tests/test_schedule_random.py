@@ -36,13 +36,17 @@ from types import SimpleNamespace
 
 import pytest
 
-from graphchunk.engine.frontend import chunk_request
+from graphchunk.engine.request_args import chunk_request
 from graphchunk.metrics import EXPORTED, POOL_FIELDS, WORKER_FIELDS
-from schedule_harness import STEPS, Stream, Steps, Workers, accounting, check_blocks
+from schedule_harness import BLOCK, STEPS, Stream, Steps, Workers, accounting, check_blocks
 
 SEEDS = int(os.environ.get("GRAPHCHUNK_SCHEDULE_SEEDS", 24))
 PREFIX = "Here is a document.\n\n"
 """blend_prefix of every third seed."""
+HOST_BYTES = 40 * BLOCK * 8
+"""host_bytes of every third seed (another third than PREFIX's): a host-memory level alone, holding
+about 40 blocks of the fake device's payloads (a block's slots named in 8 bytes each), more than the
+pool's 24 and fewer than the stream's entries: pool misses it serves, and entries it drops."""
 
 
 STREAMS = [pytest.param(s, False, id=f"seed{s}") for s in range(SEEDS)] + \
@@ -77,10 +81,12 @@ def run_stream(vllm_scheduler, seed: int, asynchronous: bool) -> dict[str, int]:
     rng = random.Random(seed)
     # Blend requests whose misses cost more than their prefill: vLLM's full prefill on odd seeds
     # (their entries computed alone for later requests, or taken from that prefill on seeds 1 mod 4),
-    # blended on even ones; every third seed computes blend chunks after a fixed prefix.
+    # blended on even ones; every third seed computes blend chunks after a fixed prefix, and another
+    # third keeps entries in a host-memory tier level (no directory) below the pool.
     scheduler, handshake, hasher = vllm_scheduler(asynchronous, blend_misses="prefill" if seed % 2 else "blend",
                                                   blend_entries="context" if seed % 4 == 1 else "alone",
-                                                  blend_prefix=PREFIX if seed % 3 == 2 else "")
+                                                  blend_prefix=PREFIX if seed % 3 == 2 else "",
+                                                  host_bytes=HOST_BYTES if seed % 3 == 0 else 0)
     config = scheduler.connector._config
     context = scheduler.connector._context()
     pool = context.pool
@@ -136,6 +142,12 @@ def run_stream(vllm_scheduler, seed: int, asynchronous: bool) -> dict[str, int]:
     assert all(not engine.loads and not engine.runner.pending_tokens for engine in workers.engines)
     metrics = workers.engines[0].metrics
     assert metrics.hits and metrics.misses and len(added) > 20
+    if config.host_bytes:  # pool misses served from host memory, alike on both ranks, within its budget
+        assert metrics.tier_hits and metrics.tier_host_hits == metrics.tier_loads, seed
+        assert len({(e.metrics.tier_loads, e.metrics.tier_host_bytes) for e in workers.engines}) == 1
+        assert 0 < metrics.tier_host_bytes <= config.host_bytes
+    else:
+        assert not metrics.tier_loads
     # What /metrics would show, as vLLM's scheduler stats carried it: every counter's increments sum to
     # its value (the pool's from the scheduler, the rest from rank 0's worker, counted once), every
     # gauge its last value.

@@ -19,7 +19,7 @@ import engines
 from conftest import GC_LLM_TEMPLATES
 from exactness import MAX_TOKENS, blend_reference, string_parts_render
 from graphchunk.documents import DOCUMENT_PART, document_messages, hf_render, place_document_parts, place_documents
-from graphchunk.engine.frontend import SEPARATOR_ARG
+from graphchunk.engine.request_args import SEPARATOR_ARG
 from graphchunk.layout import Layout
 from graphchunk.metrics import EXPORTED, PROMETHEUS_PREFIX, SCHEMA
 from graphchunk.reference import models

@@ -15,7 +15,7 @@ from graphchunk.cache.pool import ChunkPool, PoolExhausted
 from graphchunk.config import GraphChunkConfig
 from graphchunk.engine.chunk_engine import ChunkEngine, position_shift
 from graphchunk.engine.context_scheduler import PoolHandshake
-from graphchunk.engine.frontend import ChunkRequest
+from graphchunk.engine.request_args import ChunkRequest
 from graphchunk.engine.step_plan import plan_step
 from graphchunk.segments import split_at
 

@@ -17,6 +17,7 @@ import torch
 from graphchunk.cache.host_tier import HostTier
 from graphchunk.cache.store import (FORMAT_VERSION, ChunkStore, StoreIdentity, prepare_directory, read_store_key,
                                     weights_digest)
+from graphchunk.cache.tier import Tier
 from graphchunk.config import ConfigError
 from graphchunk.metrics import CacheMetrics
 
@@ -46,7 +47,7 @@ def test_round_trip_is_bit_exact(tmp_path):
     got = s.load(KEY, TOKENS, "isolated", 2)
     assert torch.equal(got.view(torch.int16), payload().view(torch.int16))
     assert path.suffix == ".gckv" and path.parent.parent == tmp_path
-    assert (s.metrics.tier_writes, s.metrics.tier_loads, s.metrics.tier_rejected) == (1, 1, 0)
+    assert (s.metrics.tier_writes, s.metrics.tier_rejected) == (1, 0)
     assert s.metrics.tier_bytes_read == s.metrics.tier_bytes_written == path.stat().st_size
 
 
@@ -212,22 +213,58 @@ def test_weights_digest_follows_the_weights_not_the_path(tmp_path):
         weights_digest("no-such-org/no-such-model")
 
 
-# --- the host-memory tier in front of the directory ----------------------------------------------
+# --- the host-memory level, in front of the directory or alone (tier.py) ---------------------------
 
 def test_host_tier_serves_written_and_loaded_entries_without_reading_files(tmp_path):
     metrics = CacheMetrics()
-    s = ChunkStore(tmp_path, 1 << 30, IDENTITY, LAYERS, BLOCK, metrics, host=HostTier(1 << 20, metrics))
-    s.save(KEY, TOKENS, len(TOKENS), "isolated", payload())
+    s = ChunkStore(tmp_path, 1 << 30, IDENTITY, LAYERS, BLOCK, metrics)
+    tier = Tier(HostTier(1 << 20, metrics), s, metrics)
+    tier.save(KEY, TOKENS, len(TOKENS), "isolated", payload())
     s.path_of(KEY).unlink()
-    assert torch.equal(s.load(KEY, TOKENS, "isolated", 2), payload())
-    assert (s.metrics.tier_host_hits, s.metrics.tier_bytes_read) == (1, 0)
+    assert torch.equal(tier.load(KEY, TOKENS, "isolated", 2), payload())
+    assert (metrics.tier_host_hits, metrics.tier_loads, metrics.tier_bytes_read) == (1, 1, 0)
     other = bytes(16)
     store(tmp_path).save(other, TOKENS, len(TOKENS), "blend", payload(seed=3))  # another server's file
-    assert torch.equal(s.load(other, TOKENS, "blend", 2), payload(seed=3))  # from the file, then kept
+    assert torch.equal(tier.load(other, TOKENS, "blend", 2), payload(seed=3))  # from the file, then kept
     s.path_of(other).unlink()
-    assert torch.equal(s.load(other, TOKENS, "blend", 2), payload(seed=3))
-    assert s.metrics.tier_host_hits == 2
-    assert s.load(KEY, TOKENS, "blend", 2) is None and s.load(KEY, (1, 2), "isolated", 2) is None
+    assert torch.equal(tier.load(other, TOKENS, "blend", 2), payload(seed=3))
+    assert (metrics.tier_host_hits, metrics.tier_loads) == (2, 3)
+    assert tier.load(KEY, TOKENS, "blend", 2) is None and tier.load(KEY, (1, 2), "isolated", 2) is None
+
+
+def test_host_memory_alone_is_a_tier_without_files(tmp_path, monkeypatch):
+    """host_bytes without store_path: an entry saved is served from memory (tier_loads, tier_host_hits),
+    only for its tokens, mode and block count; nothing is written anywhere."""
+    monkeypatch.chdir(tmp_path)
+    metrics = CacheMetrics()
+    tier = Tier(HostTier(1 << 20, metrics), None, metrics)
+    tier.save(KEY, TOKENS, len(TOKENS), "isolated", payload())
+    assert torch.equal(tier.load(KEY, TOKENS, "isolated", 2), payload())
+    assert tier.load(KEY, TOKENS, "isolated", 3) is None and tier.load(KEY, TOKENS[:-1], "isolated", 2) is None
+    assert tier.load(bytes(16), TOKENS, "isolated", 2) is None
+    assert (metrics.tier_loads, metrics.tier_host_hits, metrics.tier_writes) == (1, 1, 0)
+    assert metrics.tier_host_bytes == payload().numel() * 2 and not list(tmp_path.iterdir())
+    with pytest.raises(ValueError, match="needs host memory, a directory or both"):
+        Tier(None, None, metrics)
+
+
+def test_a_rank_serves_from_host_memory_only_when_every_rank_found_its_payload():
+    """With tensor parallelism the ranks' answers are joined (``all_ranks``): one rank's miss makes
+    every rank compute the entry, so a rank that holds it serves nothing and counts no load."""
+    metrics, asked = CacheMetrics(), []
+    others_found = [True]
+
+    def all_ranks(found: bool) -> bool:
+        asked.append(found)
+        return found and others_found[0]
+
+    tier = Tier(HostTier(1 << 20, metrics), None, metrics, all_ranks=all_ranks)
+    tier.save(KEY, TOKENS, len(TOKENS), "isolated", payload())
+    assert tier.load(KEY, TOKENS, "isolated", 2) is not None
+    others_found[0] = False
+    assert tier.load(KEY, TOKENS, "isolated", 2) is None
+    assert tier.load(bytes(16), TOKENS, "isolated", 2) is None  # a miss here joins the collective too
+    assert asked == [True, True, False] and metrics.tier_loads == 1
 
 
 def test_host_tier_keeps_the_most_recently_used_within_its_budget():

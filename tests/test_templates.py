@@ -23,7 +23,7 @@ import pytest
 
 from conftest import GC_LLM_TEMPLATES
 from exactness import LIMITS, TextSource, assert_matches_oracle, sampling
-from graphchunk.engine.frontend import BOUNDARIES_ARG
+from graphchunk.engine.request_args import BOUNDARIES_ARG
 from graphchunk.graphs.buckets import Bucket, RequestShape, load_grid
 from graphchunk.segments import split_at
 

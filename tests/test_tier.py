@@ -31,7 +31,7 @@ from graphchunk.documents import document_messages, hf_render, place_documents
 from graphchunk.llm import RagPrompt
 from graphchunk.reference import models
 from graphchunk.reference.oracle import Oracle
-from graphchunk.segments import split_at
+from graphchunk.segments import SeparatorSplitter, split_at
 from inprocess import run_main
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("oracle_references")]
@@ -68,6 +68,9 @@ CORPORA = {
     "context": ([{**r, "text": t} for r, t in zip([{"id": "a", "context": ["c", "b"]}, {"id": "b", "context": ["a"]},
                                                    {"id": "c", "mode": "blend"}], docs(3))],
                 ("--mode", "auto", "--context", "list")),
+    # --format separator: two isolated documents behind SYS, one behind an empty sys, one blend
+    "separator": ([{"text": d} for d in docs(2)] + [{"text": d, "sys": ""} for d in docs(1)]
+                  + [{"text": d, "mode": "blend"} for d in docs(1)], ("--format", "separator")),
 }
 
 
@@ -132,6 +135,11 @@ def precomputed_context(precomputes):
 
 
 @pytest.fixture(scope="module")
+def precomputed_separator(precomputes):
+    return _precomputed(precomputes, "separator")
+
+
+@pytest.fixture(scope="module")
 def corpus(precomputes):
     return precomputes.corpora / "plain.jsonl", CORPORA["plain"][0]
 
@@ -180,12 +188,23 @@ def run(llm, oracle, prompt: RagPrompt, salt: str | None = None) -> dict[str, fl
     before = llm.stats()
     (output,) = llm.llm.generate([request], params, use_tqdm=False)
     after = llm.stats()
-    seg = split_at(ids, boundaries, **LIMITS)
-    if prompt.extra.get("graphchunk_mode") == "blend":
-        k = prompt.extra.get("graphchunk_recompute_tokens", GraphChunkConfig().recompute_tokens)
+    mode = prompt.extra.get("graphchunk_mode")
+    check(output, split_at(ids, boundaries, **LIMITS), oracle, mode, prompt.extra.get("graphchunk_recompute_tokens"))
+    return counters_moved(before, after)
+
+
+def check(output, seg, oracle, mode: str | None, recompute_tokens: int | None = None) -> None:
+    """``output`` against the oracle over ``seg``: isolated, the masked reference; blend, LegoLink's
+    with ``recompute_tokens`` (default: the deployment default's)."""
+    if mode == "blend":
+        k = GraphChunkConfig().recompute_tokens if recompute_tokens is None else recompute_tokens
         assert_matches_reference(output, blend_reference(oracle, seg, f"legolink:{k}"), "blend")
     else:
         assert_matches_oracle(output, seg, oracle)
+
+
+def counters_moved(before: dict, after: dict) -> dict[str, float]:
+    """How the counters moved between two ``stats()``."""
     return {name: after[name] - before[name] for name in after}
 
 
@@ -200,13 +219,8 @@ def run_chat(llm, oracle, messages, documents, mode: str | None = None) -> dict[
     placed = place_documents(hf_render(llm.tokenizer), messages, documents, llm.tokenizer, max_chunks=8,
                              max_chunk_len=1 << 20)
     assert list(output.prompt_token_ids) == placed.token_ids
-    seg = split_at(placed.token_ids, placed.boundaries, **LIMITS)
-    if mode == "blend":
-        k = GraphChunkConfig().recompute_tokens
-        assert_matches_reference(output, blend_reference(oracle, seg, f"legolink:{k}"), "blend")
-    else:
-        assert_matches_oracle(output, seg, oracle)
-    return {name: after[name] - before[name] for name in after}
+    check(output, split_at(placed.token_ids, placed.boundaries, **LIMITS), oracle, mode)
+    return counters_moved(before, after)
 
 
 def test_references_are_kept_per_oracle(oracle, tiny_oracle, tokenizer):
@@ -251,6 +265,40 @@ def test_documents_requests_hit_a_documents_precompute_from_the_first_request(se
     assert moved["tier_loads"] == 3  # sys too
     moved = run_chat(server_a, tiny_oracle, document_messages("Be brief.", QUESTION), [blended], mode="blend")
     assert (moved["blend_tier_hits"], moved["misses"]) == (1, 0)
+
+
+def run_separated(llm, oracle, text: str, mode: str = "isolated") -> dict[str, float]:
+    """``text`` in the seeds' form (``graphchunk_separator`` '##'), checked against the oracle over
+    the segments the server's splitter finds (blend: LegoLink's reference); how the counters moved."""
+    params = sampling()
+    params.extra_args = {**(params.extra_args or {}), "graphchunk_mode": mode,
+                         **({"graphchunk_recompute": "legolink"} if mode == "blend" else {})}
+    before = llm.stats()
+    (output,) = llm.generate([text], params, separator="##")
+    after = llm.stats()
+    check(output, SeparatorSplitter(llm.tokenizer, "##", **LIMITS).split(list(output.prompt_token_ids)), oracle, mode)
+    return counters_moved(before, after)
+
+
+def test_seeds_form_requests_hit_a_separator_precompute(server_a, tiny_oracle, precomputed_separator, corpus):
+    """--format separator: a request ``sys ## d2 ## d1 ## question`` (completions' text with
+    ``graphchunk_separator``) finds its chunks, each the separator's tokens and its document's in
+    context, in the tier; behind an empty sys both openings (``## d ## q``, `` ## d ## q``) hit;
+    a blend request too. The same request over documents precomputed as segments finds none."""
+    result, written = precomputed_separator
+    assert "4 documents" in result.stdout
+    assert len(written) == 2 + 2 + 1  # isolated: 2 chunks (SYS's entry is there), the empty sys' twice; blend: 1
+    texts = [r["text"] for r in CORPORA["separator"][0]]
+    moved = run_separated(server_a, tiny_oracle, " ## ".join([SYS, texts[1], texts[0], QUESTION]))
+    assert (moved["tier_hits"], moved["misses"], moved["hits"]) == (2, 0, 0)
+    for text in (f"## {texts[2]} ## {QUESTION}", f" ## {texts[2]} ## {QUESTION}"):
+        moved = run_separated(server_a, tiny_oracle, text)
+        assert (moved["tier_hits"], moved["misses"]) == (1, 0)
+    moved = run_separated(server_a, tiny_oracle, " ## ".join(["Be brief.", texts[3], QUESTION]), "blend")
+    assert (moved["blend_tier_hits"], moved["misses"]) == (1, 0)
+    segments = [r["text"] for r in corpus[1] if "mode" not in r]  # precomputed (and served) as segments
+    moved = run_separated(server_a, tiny_oracle, " ## ".join([SYS, *segments, QUESTION]))
+    assert (moved["tier_hits"], moved["hits"], moved["misses"]) == (0, 0, 3)
 
 
 def test_contextualized_entries_are_served_as_hf_computes_them_behind_their_context(

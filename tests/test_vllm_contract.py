@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import textwrap
 import tomllib
 from pathlib import Path
@@ -251,6 +252,50 @@ def test_every_admitted_release_is_checked_and_holds():
         assert resolver.wheel["file"].startswith(f"vllm-{version}-") and len(resolver.wheel["sha256"]) == 64
         failed = [check.line(r) for r in check.check(resolver, release=release) if not r.ok]
         assert not failed, "\n".join(failed)
+
+
+@pytest.mark.parametrize("version", ["0.34.0", "0.34.1+cu130", "0.35.0", "1.0.0"])
+def test_a_vllm_without_model_runner_v1_is_refused_saying_so(version):
+    """vLLM 0.34 removed Model Runner V1 (its wheel has no vllm/v1/worker/gpu_model_runner.py nor
+    cpu_model_runner.py), the runner graphchunk's extends: 0.34 and later are refused naming that."""
+    with pytest.raises(compat.UnsupportedVLLM, match=rf"^graphchunk supports vLLM 0.32 and 0.33; this is vLLM "
+                                                     rf"{re.escape(version)}, which has no Model Runner V1"):
+        compat.release(version)
+
+
+def test_the_admitted_releases_pass_and_an_older_one_is_refused_without_the_runner_reason():
+    assert [compat.release(v) for v in ("0.32.0", "0.33.0", "0.33.1+cu130")] == ["0.32", "0.33", "0.33"]
+    with pytest.raises(compat.UnsupportedVLLM) as refused:
+        compat.release("0.31.2")
+    assert "this is vLLM 0.31.2: install a supported release" in str(refused.value)
+
+
+def test_the_plugin_installs_nothing_under_a_refused_vllm(monkeypatch, caplog):
+    """vLLM calls general plugins unguarded in every process, and 0.34's VllmConfig lacks what the
+    plugin wraps: under a refused release the plugin wraps nothing and logs why (under an admitted
+    one the same call wraps process_inputs)."""
+    pytest.importorskip("vllm")
+    import logging
+
+    import vllm
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    from graphchunk.engine import plugin
+
+    def process_inputs(self, *args, **kwargs):
+        return None
+
+    monkeypatch.setattr(InputProcessor, "process_inputs", process_inputs)
+    installed = vllm.__version__
+    monkeypatch.setattr(vllm, "__version__", "0.34.0")
+    with caplog.at_level(logging.WARNING, logger="vllm.graphchunk"):
+        plugin.register()
+    assert InputProcessor.process_inputs is process_inputs
+    assert "graphchunk's plugin installs nothing: graphchunk supports vLLM 0.32 and 0.33; this is vLLM 0.34.0, " \
+           "which has no Model Runner V1" in caplog.text
+    monkeypatch.setattr(vllm, "__version__", installed)
+    plugin.register()
+    assert InputProcessor.process_inputs is not process_inputs
 
 
 def test_a_branch_removed_fails_against_its_release(monkeypatch):

@@ -24,7 +24,8 @@ def vllm_config(**overrides):
         cache_config=SimpleNamespace(block_size=config["block_size"], cache_dtype=config["cache_dtype"]),
         kv_transfer_config=config.get("kv_transfer_config", _GRAPHCHUNK_CONNECTOR),
         model_config=SimpleNamespace(max_model_len=config["max_model_len"], hf_config=config["hf_config"], is_moe=config["moe"],
-                                     uses_mrope="mrope_section" in rope),  # as vLLM's ModelConfig decides
+                                     uses_mrope="mrope_section" in rope,  # as vLLM's ModelConfig decides
+                                     using_transformers_backend=lambda: config.get("transformers_backend", False)),
     )
 
 
@@ -179,6 +180,15 @@ def test_blend_default_refuses_moving_keys_it_cannot(hf_config, reason):
     check_config(vllm_config(hf_config=hf_config), GraphChunkConfig(pool_tokens=65536))  # auto: isolated for this model
 
 
+def test_blend_default_refused_where_vllm_runs_hfs_own_modules():
+    """vLLM's Transformers modeling backend (OLMo-2 in vLLM 0.32) runs HF's rotary module, which the
+    worker's key rotation does not read, whatever the config's rope_type: blend is refused by name."""
+    with pytest.raises(ConfigError, match="blend' is not available .* Transformers modeling backend"):
+        check_config(vllm_config(transformers_backend=True), GraphChunkConfig(pool_tokens=65536, mode="blend"))
+    check_config(vllm_config(transformers_backend=True), GraphChunkConfig(pool_tokens=65536))  # auto: isolated
+    check_config(vllm_config(), GraphChunkConfig(pool_tokens=65536, mode="blend"))  # vLLM's own modeling class
+
+
 def test_key_temperature_default_refused_where_keys_do_not_scale_logits():
     capped = SimpleNamespace(rope_theta=1e4, attn_logit_softcapping=50.0)
     with pytest.raises(ConfigError, match=r"graphchunk.key_temperature=0.8 is not available .* soft-capped"):
@@ -210,10 +220,64 @@ def test_graphchunk_engines_select_the_v1_model_runner(monkeypatch):
     other_engine = VllmConfig(parallel_config=ParallelConfig(worker_cls="auto"))
     assert graphchunk_engine.use_v2_model_runner is False
     assert other_engine.use_v2_model_runner is True
+    # The reason vLLM logs ("Model Runner V2 does not yet support <reason>; using the V1 model runner
+    # instead") names what V1 costs, read from the installed vLLM's own V1 check.
+    (reason,) = [r for r in graphchunk_engine._get_v2_model_runner_unsupported_features() if "graphchunk" in r]
+    assert reason.startswith("graphchunk's chunk-aware model runner (--worker-cls graphchunk.Runner extends the V1 "
+                             "runner; V1 refuses prefill context parallel, pipeline parallelism with async scheduling")
+    assert "batch-sharded sampling" in reason and reason.endswith(")")
+    assert not [r for r in other_engine._get_v2_model_runner_unsupported_features() if "graphchunk" in r]
     monkeypatch.setattr(envs, "VLLM_USE_V2_MODEL_RUNNER", True, raising=False)
     assert graphchunk_engine.use_v2_model_runner is True
-    with pytest.raises(ConfigError, match="selects V2 .*unset VLLM_USE_V2_MODEL_RUNNER"):
+    with pytest.raises(ConfigError, match=r"selects V2: VLLM_USE_V2_MODEL_RUNNER=1, or a setting with which vLLM "
+                                          r"selects V2 .*unset VLLM_USE_V2_MODEL_RUNNER \(a graphchunk engine cannot "
+                                          r"use what V1 refuses: prefill context parallel, "):
         check_config(graphchunk_engine, GraphChunkConfig())
+
+
+def test_the_features_v1_refuses_are_read_from_vllms_own_check():
+    """What vLLM's V1 check returns for a configuration using everything it checks is among what the
+    plugin reads from that check's source (so the start-up line misses none of them)."""
+    from vllm.config import VllmConfig
+
+    from graphchunk.engine.plugin import v1_refused_features
+
+    spec = SimpleNamespace(method="dspark", is_xpress=lambda: False, enable_adaptive_verification=True,
+                           draft_lm_head_quantization=None, draft_model_config=None)
+    everything = SimpleNamespace(
+        parallel_config=SimpleNamespace(prefill_context_parallel_size=2, pipeline_parallel_size=2,
+                                        enable_batch_sharded_sampling=True),
+        scheduler_config=SimpleNamespace(async_scheduling=True), speculative_config=spec,
+        model_config=SimpleNamespace(is_diffusion=True, architecture="Step5ForCausalLM"),
+        _dflash_needs_multi_kv_group=lambda: True, _is_dflash_candidate_draft=lambda: True)
+    refused_now = VllmConfig._get_v1_model_runner_unsupported_features(everything)
+    assert "prefill context parallel" in refused_now and len(refused_now) >= 8
+    assert set(refused_now) <= set(v1_refused_features())
+
+
+def test_the_v1_reader_takes_literal_appends_in_source_order(monkeypatch):
+    from vllm.config import VllmConfig
+
+    from graphchunk.engine import plugin
+
+    def fake_check(self):
+        unsupported = []
+        if self.a:
+            if self.b:
+                unsupported.append("nested first")
+            unsupported.append(f"computed {self.c}")  # not a literal: left out
+        other = []
+        other.append("second")  # any list's literal append counts: vLLM's check appends only to its result
+        unsupported.extend(["extended"])  # not an append: left out
+        unsupported.append("nested first")  # named once
+        return unsupported
+
+    monkeypatch.setattr(VllmConfig, "_get_v1_model_runner_unsupported_features", fake_check, raising=False)
+    assert plugin.v1_refused_features() == ("nested first", "second")
+    monkeypatch.delattr(VllmConfig, "_get_v1_model_runner_unsupported_features")
+    assert plugin.v1_refused_features() == ()
+    assert plugin.v1_reason().endswith("extends the V1 runner; the features V1 refuses could not be read from "
+                                       "this vLLM's source)")
 
 
 def test_a_refused_configuration_raises_in_the_users_process(smollm2_path):

@@ -110,6 +110,11 @@ def hf_rope_refusal(hf_config) -> str | None:
     if not params and getattr(config, "rope_theta", None) is None:
         return "the model has no rotary position embedding (RoPE) in its config"
     params = dict(params or {})
+    if params and all(isinstance(v, dict) for v in params.values()):  # per layer type (Gemma-3's local/global)
+        if len({repr(sorted(v.items())) for v in params.values()}) > 1:
+            return (f"its layer types ({', '.join(sorted(params))}) use different rotary embeddings, not one "
+                    f"rotation per position")
+        params = next(iter(params.values()))
     rope_type = params.get("rope_type") or params.get("type") or "default"
     if "mrope_section" in params or params.get("mrope_interleaved"):
         return "M-RoPE rotates by several position axes, not one rotation per token"
@@ -118,6 +123,18 @@ def hf_rope_refusal(hf_config) -> str | None:
     if rope_type not in _HF_FIXED:
         return f"rope_type {rope_type!r} is not known to be a fixed rotation per position"
     return None
+
+
+def blend_refusal(model_config) -> str | None:
+    """Why blend mode cannot move keys for the model vLLM serves (``hf_rope_refusal`` of its HF
+    config, or a modeling class whose rotary embedding the worker cannot read: vLLM's Transformers
+    backend runs the model's own HF modules, e.g. OLMo-2 on vLLM 0.32); None when it can. The API
+    process refuses blend requests with it and the worker a blend default, before any weights load."""
+    refusal = hf_rope_refusal(model_config.hf_config)
+    if refusal is None and model_config.using_transformers_backend():
+        return ("vLLM serves this architecture through its Transformers modeling backend, whose rotary embedding "
+                "is the model's own HF module, which graphchunk's key rotation does not read")
+    return refusal
 
 
 def _is_rotary(module: torch.nn.Module) -> bool:

@@ -2,7 +2,7 @@
 
 For every segmented request whose scheduled range ``[start, end)`` overlaps its context
 ``[0, C)`` (C = S + sum L_i): acquire pool entries for its sys prompt and chunks, compute the
-misses (or load them from the tier), and copy the KV of the context tokens in
+misses (or load them from the tier, ``tier.py``), and copy the KV of the context tokens in
 ``[start, min(end, C))`` into the request's own slots; blend requests then recompute the tokens
 their policy picks. The plan is ``context_plan.py``'s, the run ``context_run.py``'s.
 
@@ -23,7 +23,7 @@ from graphchunk.cache.context_plan import ContextPlanner, RequestPlan
 from graphchunk.cache.context_run import ContextRunner
 from graphchunk.cache.keys import KeySpace
 from graphchunk.cache.pool import ChunkPool, PoolExhausted
-from graphchunk.cache.store import ChunkStore
+from graphchunk.cache.tier import Tier
 from graphchunk.device import KVDevice, PseudoSeq, slots_of, split_forward_batches  # noqa: F401 (re-exported)
 from graphchunk.segments import SegmentedPrompt
 
@@ -55,7 +55,7 @@ class ScheduledPrompt:
 
 class ChunkCache:
     def __init__(self, pool: ChunkPool, space: KeySpace, max_forward_tokens: int, check_layer: int = 1,
-                 tier: ChunkStore | None = None):
+                 tier: Tier | None = None):
         self.pool = pool
         self.metrics = pool.metrics
         self.planner = ContextPlanner(pool, space)

@@ -4,9 +4,9 @@
 at most ``budget`` new tokens per call (None: all), in forwards of at most ``max_forward_tokens``
 tokens, cutting a long job across forwards and steps (each piece continues the KV of the one
 before); a job never shares a forward with the sys job whose KV it reads. A job's entry is first
-looked up in the persistent tier (``store.py``): a file there is loaded into the entry's blocks
-instead of computed, and a computed entry is written through. ``done_before`` is the first job
-id not yet finished: the plans' scheduler learns it after each step.
+looked up in the tier (``tier.py``: host memory, the directory, or both): a payload there is
+loaded into the entry's blocks instead of computed, and a computed entry is written through.
+``done_before`` is the first job id not yet finished: the plans' scheduler learns it after each step.
 
 ``capture`` fills new blend entries from a request vLLM computed as a full prefill, after the
 forward of the step that computed it (``EntryCapture``: each chunk's KV as that prefill computed
@@ -46,7 +46,7 @@ import numpy as np
 
 from graphchunk.blend.recompute import recompute
 from graphchunk.cache.context_plan import EntryCapture, MissJob, UnitCopy
-from graphchunk.cache.store import ChunkStore
+from graphchunk.cache.tier import Tier
 from graphchunk.device import KVDevice, PseudoSeq, slots_of
 from graphchunk.log import logger
 from graphchunk.metrics import CacheMetrics
@@ -67,7 +67,7 @@ class _Progress:
 
 class ContextRunner:
     def __init__(self, block_size: int, max_forward_tokens: int, metrics: CacheMetrics, *, check_layer: int = 1,
-                 tier: ChunkStore | None = None):
+                 tier: Tier | None = None):
         self.block_size, self.max_forward_tokens = block_size, max_forward_tokens
         self.metrics, self.check_layer, self.tier = metrics, check_layer, tier
         self._queue: deque[_Progress] = deque()

@@ -1,11 +1,13 @@
-"""The host-memory tier: entries' KV payloads in process memory, between the pool and the disk tier.
+"""The host-memory level of the tier: entries' KV payloads in process memory, below the device pool.
 
-An entry written through to the disk tier, or loaded from it, is also kept here (up to
-``host_bytes``, least recently used dropped first), so the next pool miss on it is a memory copy
-instead of a file read and checksum. On CUDA the payloads are pinned, so that the copy back into
-the pool's device blocks can be a DMA; on CPU the pool is host memory already, and this tier pays
-off where the disk tier is slow (a shared network filesystem). Payloads are graphchunk's own
-copies, made from the pool's blocks or from checked files, so they are served without checks.
+Every entry computed into the pool is written through to it, and one the directory (``store_path``)
+served is kept too, up to ``host_bytes`` (least recently used dropped first), so that a pool miss
+on it is a memory copy instead of a forward (or a file read and checksum). It works alone, without
+a directory (``tier.Tier``): the device pool is then the hot set and this level the warm one. On
+CUDA the payloads are pinned, so that the copy back into the pool's device blocks can be a DMA; on
+CPU the pool is host memory already, and this level pays off where the pool is small or the
+directory slow (a shared network filesystem). Payloads are graphchunk's own copies, made from the
+pool's blocks or from checked files, so they are served without checks.
 """
 from __future__ import annotations
 

@@ -20,6 +20,13 @@ gathered element by element, layer by layer, and written through the backend's o
 (``writers``). Isolated mode's key temperature divides K as it is copied (V as is). Blend mode's
 copies (``copy_slots_rotated``) rotate K on the way (``rope.KeyRotation``): on an affine layout K
 is gathered for all layers and tokens at once, rotated and scattered; V is copied as is.
+
+A seventh layout is vllm-ascend's: each layer's cache is a pair ``(k_cache, v_cache)`` of separate
+tensors ``[blocks, block_size, heads, head_size]`` (``NPUModelRunner._reshape_kv_cache_tensors``)
+that its write op indexes logically. Its map is read from the tensors' strides, nothing probed
+(``KVSlotMap.of_split``: vllm-ascend's attention keeps the first caches its write op is handed, so a
+scratch probed through it would become the layer's cache); K offsets then count from the K tensor's
+first element, V offsets from the V tensor's, and every operation above works on the pair.
 """
 from __future__ import annotations
 
@@ -34,9 +41,10 @@ from graphchunk.device import consecutive_runs
 class KVSlotMap:
     """Where every element of a slot lives, relative to a layer's first element."""
 
-    def __init__(self, coords: torch.Tensor, block_stride: int):
+    def __init__(self, coords: torch.Tensor, block_stride: int, split: bool = False):
         self.coords = coords  # [block_size, 2 (K/V), heads, head_size] offsets in block 0
         self.block_stride = block_stride
+        self.split = split  # K and V in separate tensors: K offsets in K's storage, V offsets in V's
         self.block_size = coords.shape[0]
         self.strides = [_affine_strides(coords[:, kind]) for kind in (0, 1)]
 
@@ -67,23 +75,37 @@ class KVSlotMap:
             raise RuntimeError("KV layout probe: blocks are not evenly strided in storage")
         return cls(coords[0], int(stride.flatten()[0]))
 
-    def verify(self, write_kv, cache: torch.Tensor, slot: int) -> None:
-        """Checks the map on a real cache: random K/V written through the backend's op at ``slot``
-        (an unused one: a pool slot at start-up) are where the map says; the slot is restored."""
-        flat = _storage_view(cache)
-        where = self.offsets(np.array([slot])).to(cache.device)
-        saved = flat[where].clone()
+    @classmethod
+    def of_split(cls, key_cache: torch.Tensor, value_cache: torch.Tensor) -> "KVSlotMap":
+        """The map of a layer whose K and V are separate tensors ``[blocks, block_size, heads,
+        head_size]`` of one shape and strides, written by logical index (vllm-ascend's
+        ``reshape_and_cache``: ``key_cache[slot // block_size, slot % block_size] = key``): read
+        from their strides, nothing written. Other pairs (MLA's nope and rope caches) are refused."""
+        if key_cache.dim() != 4 or key_cache.shape != value_cache.shape or key_cache.stride() != value_cache.stride():
+            raise ValueError(f"K and V caches of different shapes or strides (K {list(key_cache.shape)} strides "
+                             f"{list(key_cache.stride())}, V {list(value_cache.shape)} strides "
+                             f"{list(value_cache.stride())}): graphchunk copies K and V of equal heads and head size")
+        grids = torch.meshgrid(*(torch.arange(n) for n in key_cache.shape[1:]), indexing="ij")
+        one = sum(grid * stride for grid, stride in zip(grids, key_cache.stride()[1:]))
+        return cls(torch.stack([one, one], dim=1), key_cache.stride(0), split=True)
+
+    def verify(self, write_kv, cache, slot: int) -> None:
+        """Checks the map on a real cache (a tensor, or a ``(k_cache, v_cache)`` pair): random K/V
+        written through the backend's op at ``slot`` (an unused one: a pool slot at start-up) are
+        where the map says; the slot is restored."""
+        flat_k, flat_v = _flats(cache)
+        device, dtype, shape = flat_k.device, flat_k.dtype, self.coords.shape[2:]
+        k_at, v_at = self.key_offsets([slot]).flatten().to(device), self.value_offsets([slot]).to(device)
+        saved = flat_k[k_at].clone(), flat_v[v_at].clone()
         generator = torch.Generator().manual_seed(slot)
-        key, value = (torch.randn(1, *self.coords.shape[2:], generator=generator).to(cache.dtype).to(cache.device)
-                      for _ in range(2))
+        key, value = (torch.randn(1, *shape, generator=generator).to(dtype).to(device) for _ in range(2))
         try:
-            write_kv(key, value, cache, torch.tensor([slot], device=cache.device))
-            got = flat[where].view(2, *self.coords.shape[2:])
-            if not (torch.equal(got[0], key[0]) and torch.equal(got[1], value[0])):
-                raise RuntimeError("KV layout probe: the probed slot map does not address the real KV cache "
-                                   f"(shape {list(cache.shape)}, strides {list(cache.stride())})")
+            write_kv(key, value, cache, torch.tensor([slot], device=device))
+            if not (torch.equal(flat_k[k_at].view(shape), key[0]) and torch.equal(flat_v[v_at].view(shape), value[0])):
+                raise RuntimeError(f"KV layout probe: the probed slot map does not address the real KV cache "
+                                   f"({_describe(cache)})")
         finally:
-            flat[where] = saved
+            flat_k[k_at], flat_v[v_at] = saved
 
     def offsets(self, slots: np.ndarray) -> torch.Tensor:
         """Flat storage offsets [n * elements] of the given slots."""
@@ -132,16 +154,34 @@ def _storage_view(cache: torch.Tensor) -> torch.Tensor:
     return cache.as_strided((_span(cache.shape, cache.stride()),), (1,))
 
 
+def _part(cache, kind: int) -> torch.Tensor:
+    """The tensor holding ``kind`` (0: K, 1: V) of a layer's cache: the cache itself, or that
+    element of a ``(k_cache, v_cache)`` pair."""
+    return cache if isinstance(cache, torch.Tensor) else cache[kind]
+
+
+def _flats(cache) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 1-D storage views (K's, V's) that a slot map's K and V offsets index."""
+    return _storage_view(_part(cache, 0)), _storage_view(_part(cache, 1))
+
+
+def _describe(cache) -> str:
+    return "; ".join(f"shape {list(t.shape)}, strides {list(t.stride())}"
+                     for t in ([cache] if isinstance(cache, torch.Tensor) else cache))
+
+
 class KVCopier:
     """Copies slot KV between places in every layer's cache (positions unchanged: no rotation)."""
 
-    def __init__(self, caches: list[torch.Tensor], slot_map: KVSlotMap, num_blocks: int, block_dim: int = 0,
+    def __init__(self, caches: list, slot_map: KVSlotMap, num_blocks: int, block_dim: int = 0,
                  writers=None, gather: bool | None = None):
-        """``writers``: per layer, the backend's KV-write op ``write(key, value, cache, slots)`` (K/V
+        """``caches``: per layer, its cache tensor, or its ``(k_cache, v_cache)`` pair (``block_dim``
+        0). ``writers``: per layer, the backend's KV-write op ``write(key, value, cache, slots)`` (K/V
         [n, heads, head_size], ``slots`` a device tensor), through which copies on a layout that is
         not affine write (without them, element by element into storage). ``gather``: copies on an
         affine layout index every slot at once instead of slicing runs (default: off a CPU)."""
-        self.gather = caches[0].device.type != "cpu" if gather is None else gather
+        self.device = _part(caches[0], 0).device
+        self.gather = self.device.type != "cpu" if gather is None else gather
         self.caches = caches
         self.slot_map = slot_map
         self.block_dim = block_dim
@@ -155,13 +195,14 @@ class KVCopier:
         m = self.slot_map
         one_for_all = self.layer_stride is not None
         views = []
-        for first, s_off, s_head, s_dim in m.strides:
+        for kind, (first, s_off, s_head, s_dim) in enumerate(m.strides):
             for cache in self.caches[:1] if one_for_all else self.caches:
                 shape = [num_blocks, m.block_size, *m.coords.shape[2:]]
                 strides = [m.block_stride, s_off, s_head, s_dim]
                 if one_for_all:
                     shape, strides = [len(self.caches), *shape], [self.layer_stride, *strides]
-                views.append(cache.as_strided(shape, strides, cache.storage_offset() + first))
+                part = _part(cache, kind)
+                views.append(part.as_strided(shape, strides, part.storage_offset() + first))
         return views
 
     def copy_slots(self, src: np.ndarray, dst: np.ndarray, key_temperature: float = 1.0) -> None:
@@ -190,7 +231,7 @@ class KVCopier:
 
     def _indices(self, src: np.ndarray, dst: np.ndarray) -> tuple[torch.Tensor, ...]:
         """(block, offset) of each slot of ``src`` and of ``dst``, on the caches' device."""
-        bs, device = self.slot_map.block_size, self.caches[0].device
+        bs, device = self.slot_map.block_size, self.device
         return tuple(torch.from_numpy(x).to(device, non_blocking=True)
                      for x in (*_block_offset(src, bs), *_block_offset(dst, bs)))
 
@@ -219,16 +260,16 @@ class KVCopier:
         """Every layer's K and V of slots ``src`` to ``dst`` on a layout that is not affine: gathered
         element by element, K through ``key`` (a function of [n, heads, head_size]) when given, and
         written through the backend's write op (without one, element by element)."""
-        device, n, shape = self.caches[0].device, len(src), self.slot_map.coords.shape[2:]
+        device, n, shape = self.device, len(src), self.slot_map.coords.shape[2:]
         k_src, k_dst = (self.slot_map.key_offsets(s).to(device) for s in (src, dst))
         v_src, v_dst = (self.slot_map.value_offsets(s).view(n, *shape).to(device) for s in (src, dst))
         where = torch.from_numpy(np.asarray(dst, np.int64)).to(device)
         for layer, cache in enumerate(self.caches):
-            flat = _storage_view(cache)
-            keys, values = flat[k_src], flat[v_src]
+            flat_k, flat_v = _flats(cache)
+            keys, values = flat_k[k_src], flat_v[v_src]
             keys = keys if key is None else key(keys)
             if self.writers is None:
-                flat[k_dst], flat[v_dst] = keys, values
+                flat_k[k_dst], flat_v[v_dst] = keys, values
             else:
                 self.writers[layer](keys, values, cache, where)
 
@@ -240,26 +281,40 @@ class KVCopier:
         """K of ``slots`` at each of ``layers`` (indices): [n, heads, head_size] each (copies); where
         the slots are is worked out once for all of them."""
         if self.views is None:
-            where = self.slot_map.key_offsets(slots).to(self.caches[0].device)
-            return [_storage_view(self.caches[layer])[where] for layer in layers]
+            where = self.slot_map.key_offsets(slots).to(self.device)
+            return [_flats(self.caches[layer])[0][where] for layer in layers]
         blocks, offsets = (torch.from_numpy(x) for x in _block_offset(slots, self.slot_map.block_size))
         return [(self.views[0][layer] if self.layer_stride is not None else self.views[layer])[blocks, offsets]
                 for layer in layers]
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """Whole blocks of every layer, as a host tensor [layers, blocks, *one block]."""
-        ids = torch.tensor(block_ids, dtype=torch.long, device=self.caches[0].device)
-        return torch.stack([c.movedim(self.block_dim, 0).index_select(0, ids) for c in self.caches]).cpu()
+        """Whole blocks of every layer, as a host tensor [layers, blocks, *one block] (a pair's
+        block: [2 (K/V), *one block of K])."""
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        return torch.stack([self._read_block_ids(cache, ids) for cache in self.caches]).cpu()
+
+    def _read_block_ids(self, cache, ids: torch.Tensor) -> torch.Tensor:
+        parts = [part.index_select(0, ids) for part in self._block_major(cache)]
+        return parts[0] if isinstance(cache, torch.Tensor) else torch.stack(parts, 1)
 
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         """Inverse of ``read_blocks``."""
-        ids = torch.tensor(block_ids, dtype=torch.long, device=self.caches[0].device)
-        for cache, layer in zip(self.caches, data.to(self.caches[0].device), strict=True):
-            cache.movedim(self.block_dim, 0).index_copy_(0, ids, layer)
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        for cache, layer in zip(self.caches, data.to(self.device), strict=True):
+            parts = self._block_major(cache)
+            for kind, part in enumerate(parts):
+                part.index_copy_(0, ids, layer if len(parts) == 1 else layer[:, kind])
+
+    def _block_major(self, cache) -> list[torch.Tensor]:
+        """The layer's cache tensors (one, or K and V) with the block dimension first."""
+        return [cache.movedim(self.block_dim, 0)] if isinstance(cache, torch.Tensor) else list(cache)
 
     @property
     def block_shape(self) -> list[int]:
-        shape = list(self.caches[0].shape)
+        cache = self.caches[0]
+        if not isinstance(cache, torch.Tensor):
+            return [len(cache), *cache[0].shape[1:]]
+        shape = list(cache.shape)
         del shape[self.block_dim]
         return shape
 
@@ -276,7 +331,7 @@ def _block_offset(slots: np.ndarray, block_size: int) -> tuple[np.ndarray, np.nd
 
 def _uniform_layer_stride(caches: list[torch.Tensor]) -> int | None:
     """Element stride between consecutive layers when all live in one storage at equal spacing."""
-    if len(caches) < 2:
+    if len(caches) < 2 or not isinstance(caches[0], torch.Tensor):
         return None
     storage = caches[0].untyped_storage().data_ptr()
     if any(c.untyped_storage().data_ptr() != storage for c in caches):

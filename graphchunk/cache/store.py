@@ -27,8 +27,9 @@ entry is computed instead. Files are named by the content key, which covers ``ca
 
 The tier's budget (``store_bytes``) is enforced by whichever server writes: oldest modification
 time first (a hit touches its file), over the whole directory, so servers sharing it share one
-budget. Writes are synchronous within the step. With ``host_bytes``, a host-memory tier
-(``host_tier.py``) in front of the directory keeps recently written or loaded payloads.
+budget. Writes are synchronous within the step. The workers reach the directory through
+``tier.Tier``, which puts the host-memory level (``host_bytes``) in front of it and joins
+tensor-parallel ranks' answers.
 """
 from __future__ import annotations
 
@@ -41,12 +42,11 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 import xxhash
 
-from graphchunk.cache.host_tier import HostTier
 from graphchunk.config import ConfigError
 from graphchunk.log import logger
 from graphchunk.metrics import CacheMetrics
@@ -92,18 +92,11 @@ class StoreIdentity:
 
 class ChunkStore:
     def __init__(self, path: str | Path, budget_bytes: int, identity: StoreIdentity, num_layers: int,
-                 block_shape: Sequence[int], metrics: CacheMetrics | None = None,
-                 all_ranks: Callable[[bool], bool] | None = None, host: HostTier | None = None,
-                 mac_key: bytes | None = None):
+                 block_shape: Sequence[int], metrics: CacheMetrics | None = None, mac_key: bytes | None = None):
         """``block_shape``: one block of one layer's KV cache, as ``KVCopier.read_blocks`` gives it.
-        ``all_ranks(found)``: whether every tensor-parallel rank found its file (a collective);
-        a rank serves its file only then, since a miss is computed by a forward all ranks join.
-        ``host``: the host-memory tier in front of the directory (``host_tier.py``); ``mac_key``:
-        the deployment's store key (``read_store_key``), None for unkeyed files."""
+        ``mac_key``: the deployment's store key (``read_store_key``), None for unkeyed files."""
         self.root = Path(path)
         self.mac_key = mac_key
-        self.host = host
-        self.all_ranks = all_ranks
         self.num_layers = num_layers
         self.block_shape = list(block_shape)
         self.budget = budget_bytes
@@ -121,20 +114,8 @@ class ChunkStore:
     # --- read ---------------------------------------------------------------------------------
 
     def load(self, key: bytes, tokens: Sequence[int], mode: str, num_blocks: int) -> torch.Tensor | None:
-        """The entry's payload [layers, blocks, *block], or None (no file, or one not servable,
-        here or on another rank)."""
-        data = self.host.get(key, tokens, mode, num_blocks) if self.host else None
-        if data is None:
-            data = self._load(key, tokens, mode, num_blocks)
-            if data is not None and self.host:
-                self.host.put(key, tokens, mode, data)
-        if self.all_ranks is not None and not self.all_ranks(data is not None):
-            return None
-        if data is not None:
-            self.metrics.tier_loads += 1
-        return data
-
-    def _load(self, key: bytes, tokens: Sequence[int], mode: str, num_blocks: int) -> torch.Tensor | None:
+        """The entry's payload [layers, blocks, *block] from its file, or None (no file, or one not
+        servable)."""
         path = self.path_of(key)
         start = time.perf_counter()
         try:
@@ -229,8 +210,6 @@ class ChunkStore:
              context: str | None = None) -> None:
         """Writes an entry's payload atomically; a failure is logged and counted, never raised.
         ``context``: what a contextualized blend entry was computed behind (``context_identity``)."""
-        if self.host:
-            self.host.put(key, tokens, mode, data)
         start = time.perf_counter()
         path = self.path_of(key)
         payload = data.contiguous().view(torch.uint8).numpy().reshape(-1)  # a view: written without a copy

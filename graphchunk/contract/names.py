@@ -49,8 +49,8 @@ forwards ``**kwargs`` only).
 ``public``: part of vLLM's documented interface, listed for completeness. ``guarded``: graphchunk
 imports it under ``try/except ImportError`` and runs without it, losing that feature.
 
-vllm-ascend's ``NPUWorker`` (the ``ascend`` extra, import-guarded in ``engine/worker.py``) belongs
-to another package and is not listed.
+vllm-ascend's names (another package; graphchunk refuses Ascend at start-up) are listed and
+checked apart, in ``graphchunk/contract/ascend.py``.
 
 For classes graphchunk reaches only through objects vLLM hands it (never imports), ``module`` is
 where the class is defined in the vLLM it was written against; the source checker also finds such
@@ -121,6 +121,7 @@ CE = "graphchunk/engine/chunk_engine.py"
 CN = "graphchunk/engine/connector.py"
 FR = "graphchunk/engine/fill_retry.py"
 FE = "graphchunk/engine/frontend.py"
+RA = "graphchunk/engine/request_args.py"
 BS = "graphchunk/engine/blend_support.py"
 ROPE = "graphchunk/blend/rope.py"
 LLM = "graphchunk/llm.py"
@@ -470,6 +471,8 @@ def _entries() -> tuple[Name, ...]:
     add(n(CFG, "ModelConfig.get_num_layers", "call", WK, CONFIG, ("parallel_config",)))
     add(n(CFG, "ModelConfig.get_num_kv_heads", "call", WK, CONFIG, ("parallel_config",)))
     add(n(CFG, "ModelConfig.get_head_size", "call", WK, CONFIG, ()))
+    add(n(CFG, "ModelConfig.using_transformers_backend", "call", ROPE, CONFIG + " (a model vLLM runs through its "
+          "Transformers modeling backend rotates keys in HF's module, which blend's key rotation does not read)", ()))
     for attr in ("block_size", "cache_dtype", "kv_cache_memory_bytes"):
         add(n(CFG, f"CacheConfig.{attr}", "attribute", f"{WK}, {MR}, {KB}" + (f", {PL}" if attr == "block_size" else ""),
               CONFIG))
@@ -491,7 +494,7 @@ def _entries() -> tuple[Name, ...]:
     add(n(CFG, "CUDAGraphMode.FULL", "attribute", GC, GRAPH))
     add(n(CFG, "CompilationMode.NONE", "attribute", MR, GRAPH))
 
-    # --- the plugin: request processing, config, server (plugin.py, frontend.py) ---------------------
+    # --- the plugin: request processing, config, server (plugin.py, frontend.py, request_args.py) ------
     add(n("vllm.plugins", "vllm.general_plugins", "literal", PKG, "the entry-point group vLLM loads "
           "graphchunk's plugin from", public=True))
     add(n("vllm.v1.engine.input_processor", "InputProcessor", "import", PL, REQUEST))
@@ -522,6 +525,9 @@ def _entries() -> tuple[Name, ...]:
           "V2 runner tells users to unset"))
     add(n(CFG, "VllmConfig._get_v2_model_runner_unsupported_features", "patch", PL, V2, (),
           ("vllm.config.vllm:VllmConfig",)))
+    add(n(CFG, "VllmConfig._get_v1_model_runner_unsupported_features", "attribute", PL, "the features V1 refuses, "
+          "named where a graphchunk engine selects V1 (plugin.v1_refused_features reads the method's source; vLLM "
+          "lists them nowhere else)"))
     add(n(GBS, "GenerateBaseServing", "import", PL, SERVER, guarded=True))
     add(n(GBS, "GenerateBaseServing._with_kv_transfer_rejection_cleanup", "patch", PL,
           SERVER + " (completions, chat completions and responses all pass the raw request through it)",
@@ -534,11 +540,12 @@ def _entries() -> tuple[Name, ...]:
     add(n("vllm.engine.protocol", "EngineClient.vllm_config", "attribute", PL, SERVER, guarded=True))
     for attr in ("vllm_xargs", "use_beam_search", "documents", "chat_template_kwargs"):
         add(n("vllm.entrypoints.openai.chat_completion.protocol", f"ChatCompletionRequest.{attr}", "field",
-              f"{FE}, {DH}", "request-body fields graphchunk reads from the raw JSON (frontend.request_body_problem) "
-              "and from chat_template_kwargs", public=True))
+              f"{RA}, {DH}", "request-body fields graphchunk reads from the raw JSON "
+              "(request_args.request_body_problem) and from chat_template_kwargs", public=True))
     for attr in ("vllm_xargs", "use_beam_search"):
-        add(n("vllm.entrypoints.openai.completion.protocol", f"CompletionRequest.{attr}", "field", FE,
-              "request-body fields graphchunk reads from the raw JSON (frontend.request_body_problem)", public=True))
+        add(n("vllm.entrypoints.openai.completion.protocol", f"CompletionRequest.{attr}", "field", RA,
+              "request-body fields graphchunk reads from the raw JSON (request_args.request_body_problem)",
+              public=True))
     add(n("vllm.exceptions", "VLLMValidationError", "import", PL, "vLLM turns only this exception from "
           "process_inputs into a 400 with its message"))
     add(n("vllm.exceptions", "VLLMValidationError", "subclass", PL, "graphchunk's request error is one"))
@@ -653,6 +660,8 @@ def _entries() -> tuple[Name, ...]:
     add(n("vllm.envs", "VLLM_ALLOW_INSECURE_SERIALIZATION", "literal", "tests/conftest.py", "tests send "
           "functions to the worker through collective_rpc", scope=T))
     add(n("vllm.config.vllm", "", "module", "tests/test_worker_config.py", scope=T))
+    add(n(CFG, "VllmConfig._get_v1_model_runner_unsupported_features", "call", "tests/test_worker_config.py", "",
+          scope=T))
     add(n("vllm.config", "CacheConfig", "call", "tests/gpu_style.py", "", ("block_size", "num_gpu_blocks_override"),
           scope=T))
     add(n("vllm.config", "VllmConfig", "call", "tests/gpu_style.py, tests/test_worker_config.py", "",
@@ -729,6 +738,20 @@ def _entries() -> tuple[Name, ...]:
     # vLLM's accounting of what requests give back (schedule_harness.accounting), and how they ended
     add(n("vllm.v1.core.block_pool", "BlockPool.get_num_free_blocks", "call", RS, "", (), scope=T))
     add(n("vllm.v1.core.kv_cache_manager", "KVCacheManager.block_pool", "attribute", RS, "", scope=T))
+    # what the BlockPool does with a block it does not own (docs/architecture.md, documents shared in place)
+    IPP = "tests/test_in_place_patch.py"
+    add(n("vllm.v1.core.block_pool", "BlockPool", "call", IPP, "", ("num_gpu_blocks", "enable_caching",
+                                                                    "hash_block_size"), scope=T))
+    for method, params in (("free_blocks", ("ordered_blocks",)), ("get_new_blocks", ("num_blocks",)),
+                           ("touch", ("blocks",)), ("evict_blocks", ("block_ids",)),
+                           ("get_cached_block", ("block_hash", "kv_cache_group_ids")),
+                           ("cache_full_blocks", ("request", "blocks", "num_cached_blocks", "num_full_blocks",
+                                                  "block_size", "kv_cache_group_id"))):
+        add(n("vllm.v1.core.block_pool", f"BlockPool.{method}", "call", IPP, "", params, scope=T))
+    add(n("vllm.v1.core.kv_cache_utils", "KVCacheBlock", "call", IPP, "", ("block_id", "ref_cnt", "pool"),
+          scope=T))
+    for attr in ("ref_cnt", "block_hash", "prev_free_block", "next_free_block"):
+        add(n("vllm.v1.core.kv_cache_utils", f"KVCacheBlock.{attr}", "attribute", IPP, "", scope=T))
     add(n("vllm.v1.core.sched.scheduler", "Scheduler.finished_recving_kv_req_ids", "attribute", RS, "", scope=T))
     add(n("vllm.v1.core.sched.scheduler", "Scheduler.finish_requests", "call", RS, "",
           ("request_ids", "finished_status"), scope=T))

@@ -139,18 +139,24 @@ class RecordResolver:
     def __init__(self, path: Path):
         self.path = Path(path)
         data = json.loads(self.path.read_text())
+        self._answers: dict = data["answers"]
+        self._objects: dict = data["objects"]
+        self._describe(data)
+
+    def _describe(self, data: dict) -> None:
+        """What the record is of (``version``, ``label``, ...), and how it is made again (``regenerate``)."""
         self.version: str = data["vllm_version"]
         self.release = release_of(self.version)
         self.wheel: dict = data["wheel"]
         self.label = f"recorded source of {self.wheel['file']} ({self.path.name})"
-        self._answers: dict = data["answers"]
-        self._objects: dict = data["objects"]
+        self.subject = f"vLLM {self.version}"
+        self.regenerate = f"python -m graphchunk.contract.record {self.version}"
 
     def _get(self, *parts):
         key = _key(*parts)
         if key not in self._answers:
-            raise NotRecorded(f"the record of vLLM {self.version} ({self.path.name}) does not hold {key}: "
-                              f"regenerate it: python -m graphchunk.contract.record {self.version}")
+            raise NotRecorded(f"the record of {self.subject} ({self.path.name}) does not hold {key}: "
+                              f"regenerate it: {self.regenerate}")
         return self._answers[key]
 
     def _obj(self, ref: str | None) -> Obj | None:

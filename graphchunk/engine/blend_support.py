@@ -3,7 +3,7 @@
 Blend needs keys it can move (``blend/rope.py``); CacheBlend also a decoder whose layer range can
 be narrowed for its check pass (``first_layers``). Without them blend is refused at
 start-up when it is the deployment's default mode; otherwise the API process refuses blend
-requests from the model's config (``rope.hf_rope_refusal``), and a blend request that still
+requests from the model's config (``rope.blend_refusal``), and a blend request that still
 arrives runs as a full prefill (``refusal`` / ``check_refusal`` go to the scheduler's connector in
 the workers' handshake: ``context_scheduler.PoolHandshake.runs``): exactly blend's target.
 """

@@ -48,7 +48,7 @@ from graphchunk.cache.context_run import ContextRunner
 from graphchunk.config import GraphChunkConfig
 from graphchunk.engine.connector import work_of
 from graphchunk.engine.context_scheduler import ContextLoad, PoolHandshake
-from graphchunk.engine.frontend import UNCHUNKED_ARG, ChunkRequest
+from graphchunk.engine.request_args import UNCHUNKED_ARG, ChunkRequest
 from graphchunk.engine.runner_kv import RunnerKV
 from graphchunk.engine.step_plan import StepPlan, plan_step
 from graphchunk.graphs.bucket_counts import BucketCounts

@@ -25,7 +25,8 @@ import asyncio
 import contextvars
 import dataclasses
 
-from graphchunk.engine.frontend import BOUNDARIES_ARG, DOCUMENTS_KEY, DocumentBoundaries
+from graphchunk.engine.frontend import DOCUMENTS_KEY, DocumentBoundaries
+from graphchunk.engine.request_args import BOUNDARIES_ARG
 
 _SETTINGS = "_graphchunk_document_settings"
 UNCHUNKED = DocumentBoundaries((), 0)

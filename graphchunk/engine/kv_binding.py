@@ -2,8 +2,11 @@
 
 ``grown_kv_cache_config`` grows vLLM's KV cache by the pool's blocks, past the scheduler's
 ``num_blocks``, so vLLM never hands them to a request. Once vLLM allocated it, ``bind_engine``
-probes the attention backend's block layout, and builds the pool, the persistent tier
-(``store_path``), blend's key rotation and the engine holding them. Anything the loaded model or
+probes the attention backend's block layout (``kv_layout``: a layer's one cache tensor is probed on
+a scratch; vllm-ascend's ``(k_cache, v_cache)`` pair is mapped from its strides, since its
+attention keeps the first caches its write op is handed), and builds the pool, the tier below it
+(``host_bytes``' host memory, ``store_path``'s directory), blend's key rotation and the engine
+holding them. Anything the loaded model or
 layout cannot support is refused here, at start-up.
 """
 from __future__ import annotations
@@ -19,6 +22,7 @@ from graphchunk.cache.host_tier import HostTier
 from graphchunk.cache.keys import KeySpace
 from graphchunk.cache.kv_slots import KVCopier, KVSlotMap
 from graphchunk.cache.store import ChunkStore, StoreIdentity, read_store_key, weights_digest
+from graphchunk.cache.tier import Tier
 from graphchunk.compat import vllm_name
 from graphchunk.config import ConfigError, GraphChunkConfig
 from graphchunk.engine.blend_support import BlendSupport
@@ -61,17 +65,17 @@ def bind_engine(runner, config: GraphChunkConfig, first_pool_block: int) -> Chun
     forward_context = runner.compilation_config.static_forward_context
     layers = [forward_context[name] for name in layer_names]
     num_blocks = runner.kv_cache_config.num_blocks
-    block_dim = list(layers[0].kv_cache.shape).index(num_blocks)
-    slot_map = probe_kv_layout(layers[0], groups[0].kv_cache_spec, block_dim, num_blocks)
+    block_dim, slot_map = kv_layout(layers[0], groups[0].kv_cache_spec, num_blocks)
     copier = KVCopier([layer.kv_cache for layer in layers], slot_map, num_blocks, block_dim,
                       writers=[backend_write(layer) for layer in layers])
     metrics = CacheMetrics()
     block_size = runner.cache_config.block_size
     pool_blocks = config.pool_blocks(block_size)
-    tier = _tier(runner, config, layers, copier, slot_map, metrics) if config.store_path else None
+    tier = _tier(runner, config, layers, copier, slot_map, metrics) if config.tiered else None
+    store = tier.store if tier else None
     model = runner.model_config
-    # With a tier, keys name the weights (shared with other servers), else the model's path.
-    space = KeySpace(model=tier.identity.weights_digest if tier else f"{model.model}@{model.revision or ''}",
+    # With a directory, keys name the weights (shared with other servers), else the model's path.
+    space = KeySpace(model=store.identity.weights_digest if store else f"{model.model}@{model.revision or ''}",
                      dtype=str(model.dtype), parallel_layout=_parallel_layout(runner.parallel_config),
                      blend_prefix=blend_prefix_tokens(model, config.blend_prefix))
     max_tokens = runner.scheduler_config.max_num_batched_tokens
@@ -103,6 +107,39 @@ def backend_write(layer):
     return write_kv
 
 
+def kv_layout(layer, spec, num_blocks: int) -> tuple[int, KVSlotMap]:
+    """(block dimension, slot map) of ``layer``'s real cache: one tensor (vLLM's backends) is
+    probed, a ``(k_cache, v_cache)`` pair (vllm-ascend's) is mapped from its strides."""
+    cache = layer.kv_cache
+    if isinstance(cache, torch.Tensor):
+        block_dim = list(cache.shape).index(num_blocks)
+        return block_dim, probe_kv_layout(layer, spec, block_dim, num_blocks)
+    return 0, split_kv_layout(layer, spec, num_blocks)
+
+
+def split_kv_layout(layer, spec, num_blocks: int) -> KVSlotMap:
+    """vllm-ascend's layout: ``layer.kv_cache`` is ``(k_cache, v_cache)``, each ``[blocks, block_size,
+    heads, head_size]`` (``NPUModelRunner._reshape_kv_cache_tensors``). Its attention
+    (``AscendAttentionBackendImpl.do_kv_cache_update``) keeps the first caches its write op is handed
+    as the layer's for good, so no scratch is ever handed to it: the map comes from the pair's strides
+    (``KVSlotMap.of_split``) and is checked through that op on the real pair's last pool slot (the
+    caches it keeps are then the layer's own); the slot is restored."""
+    cache = layer.kv_cache
+    if len(cache) != 2:
+        raise ConfigError(f"graphchunk needs each attention layer's KV cache as one tensor or a (K, V) pair; this "
+                          f"one is {len(cache)} tensor(s) (vllm-ascend's sparse-attention caches)")
+    try:
+        slot_map = KVSlotMap.of_split(*cache)
+    except ValueError as exc:  # MLA's nope and rope caches differ in head size
+        raise ConfigError(f"graphchunk does not support this KV cache: {exc}") from None
+    expected = [num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size]
+    if list(cache[0].shape) != expected:
+        raise ConfigError(f"graphchunk expected K and V caches of [blocks, block_size, heads, head_size] = {expected}, "
+                          f"got {list(cache[0].shape)}")
+    slot_map.verify(backend_write(layer), cache, num_blocks * spec.block_size - 1)
+    return slot_map
+
+
 def probe_kv_layout(layer, spec, block_dim: int, num_blocks: int) -> KVSlotMap:
     """The backend's placement of a slot's K/V in the real cache: probed through its own write op
     on a scratch with the real cache's strides (vLLM's resolved ``KVCacheLayout``), then checked
@@ -115,23 +152,35 @@ def probe_kv_layout(layer, spec, block_dim: int, num_blocks: int) -> KVSlotMap:
 
 
 def _tier(runner, config: GraphChunkConfig, layers, copier: KVCopier, slot_map: KVSlotMap,
-          metrics: CacheMetrics) -> ChunkStore:
+          metrics: CacheMetrics) -> Tier:
+    """The tier below the pool: host memory (``host_bytes``, pinned on CUDA), the directory
+    (``store_path``), or both."""
+    host = HostTier(config.host_bytes, metrics, pin=runner.device.type == "cuda") if config.host_bytes else None
+    store = _store(runner, config, layers, copier, slot_map, metrics) if config.store_path else None
+    if host is not None:
+        logger.info("graphchunk: host-memory chunk tier of %.1f GiB%s", host.budget / 2**30,
+                    " (pinned)" if host.pin else "")
+    return Tier(host, store, metrics, all_ranks=_tp_all_ranks())
+
+
+def _store(runner, config: GraphChunkConfig, layers, copier: KVCopier, slot_map: KVSlotMap,
+           metrics: CacheMetrics) -> ChunkStore:
     from vllm.distributed import get_tensor_model_parallel_rank
 
     model, layer = runner.model_config, layers[0]
     in_block = xxhash.xxh3_64_hexdigest(slot_map.coords.numpy().tobytes())
     identity = StoreIdentity(
         model_path=model.model, weights_digest=weights_digest(model.model, model.revision),
-        kv_dtype=str(layer.kv_cache.dtype), block_size=runner.cache_config.block_size,
+        kv_dtype=str((layer.kv_cache if isinstance(layer.kv_cache, torch.Tensor) else layer.kv_cache[0]).dtype),
+        block_size=runner.cache_config.block_size,
         kv_layout=f"{type(layer.impl).__name__} block {copier.block_shape} in-block {in_block}",
         parallel=f"{_parallel_layout(runner.parallel_config)} rank {get_tensor_model_parallel_rank()}")
-    host = HostTier(config.host_bytes, metrics, pin=runner.device.type == "cuda") if config.host_bytes else None
     key = read_store_key(config.store_key_file) if config.store_key_file else None
-    tier = ChunkStore(config.store_path, config.store_bytes, identity, len(layers), copier.block_shape, metrics,
-                      all_ranks=_tp_all_ranks(), host=host, mac_key=key)
-    logger.info("graphchunk: persistent chunk tier at %s (%.1f of %.1f GiB used)", tier.root,
-                metrics.tier_bytes / 2**30, tier.budget / 2**30)
-    return tier
+    store = ChunkStore(config.store_path, config.store_bytes, identity, len(layers), copier.block_shape, metrics,
+                       mac_key=key)
+    logger.info("graphchunk: persistent chunk tier at %s (%.1f of %.1f GiB used)", store.root,
+                metrics.tier_bytes / 2**30, store.budget / 2**30)
+    return store
 
 
 def _tp_all_ranks():

@@ -14,6 +14,8 @@ override below is a few lines calling it, in vLLM's order within a step:
 """
 from __future__ import annotations
 
+import inspect
+
 from graphchunk.config import GraphChunkConfig
 from graphchunk.engine.chunk_engine import ChunkEngine
 from graphchunk.engine.kv_binding import bind_engine, grown_kv_cache_config
@@ -30,11 +32,13 @@ class ChunkModelRunner:
         self.chunk_engine = None
 
     def initialize_kv_cache(self, kv_cache_config, is_profiling: bool = False, kv_cache_allocation_context=None):
+        base = super().initialize_kv_cache
+        optional = {"is_profiling": is_profiling, "kv_cache_allocation_context": kv_cache_allocation_context}
         if is_profiling:
-            return super().initialize_kv_cache(kv_cache_config, is_profiling, kv_cache_allocation_context)
+            return call_with_accepted(base, kv_cache_config, optional)
         pool_blocks = self.graphchunk_config.pool_blocks(self.cache_config.block_size)
         grown = grown_kv_cache_config(self.vllm_config, kv_cache_config, pool_blocks)
-        super().initialize_kv_cache(grown, is_profiling, kv_cache_allocation_context)
+        call_with_accepted(base, grown, optional)
         # The worker's count of the blocks its cache tensors hold: backends size per-step structures
         # by it (FlexAttention's block mask spans num_gpu_blocks * block_size keys, and must span
         # the whole tensor it attends over). The scheduler's count is its own kv_cache_config's.
@@ -70,6 +74,20 @@ class ChunkModelRunner:
         if mode != CUDAGraphMode.NONE:
             return True
         return self.device.type == "cpu" and self.compilation_config.mode != CompilationMode.NONE
+
+
+def call_with_accepted(method, first, optional: dict):
+    """``method(first, **optional)`` passing only the ``optional`` keywords its signature takes:
+    vLLM's runners take ``(kv_cache_config, is_profiling, kv_cache_allocation_context)``,
+    vllm-ascend's ``NPUModelRunner`` ``(kv_cache_config)`` alone. A value other than its default
+    (False / None) that ``method`` cannot take is a TypeError, never dropped."""
+    params = inspect.signature(method).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    passed = {k: v for k, v in optional.items() if takes_any or k in params}
+    dropped = [k for k, v in optional.items() if k not in passed and v not in (None, False)]
+    if dropped:
+        raise TypeError(f"{method.__qualname__} takes no {', '.join(dropped)}")
+    return method(first, **passed)
 
 
 def chunk_runner_class(base: type) -> type:

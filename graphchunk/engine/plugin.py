@@ -5,7 +5,10 @@ the renderer's chat rendering for documents requests (``document_hooks``), for t
 ``VllmConfig._get_v2_model_runner_unsupported_features``, ``EngineArgs.create_engine_config``,
 ``EngineCore.preprocess_add_request`` and ``Scheduler.update_from_output`` (each idempotently), and every wrapper
 acts only for engines whose worker is graphchunk's, so installing graphchunk changes nothing for
-other vLLM users.
+other vLLM users. Under a vLLM graphchunk does not admit (``compat.release``) it installs nothing and
+logs why: some of what it wraps is gone there (vLLM 0.34's ``VllmConfig`` has no V2-runner
+selection), and vLLM calls a general plugin unguarded, so a failure here would stop every engine;
+a graphchunk engine is still refused, by its worker's start-up check.
 """
 from __future__ import annotations
 
@@ -13,6 +16,15 @@ _ANNOTATOR = "_graphchunk_annotator"
 
 
 def register() -> None:
+    from graphchunk.compat import UnsupportedVLLM, release
+
+    try:
+        release()
+    except UnsupportedVLLM as exc:
+        from graphchunk.log import logger
+
+        logger.warning("graphchunk's plugin installs nothing: %s", exc)
+        return
     from vllm.v1.engine.input_processor import InputProcessor
 
     from graphchunk.engine import connector, document_hooks
@@ -71,7 +83,7 @@ def _retry_failed_fills() -> None:
 
 
 def _distinct_sibling_salts() -> None:
-    """A ranking blend policy's salt carries a nonce (``frontend.blend_salt``) so that vLLM's
+    """A ranking blend policy's salt carries a nonce (``frontend.blend_fingerprint``) so that vLLM's
     prefix cache never hands one request another's blended KV; but vLLM annotates a request with
     ``n > 1`` once and copies it into its children (``AsyncLLM.add_request``, ``LLMEngine``), so
     siblings would share that nonce, and a sibling scheduled in the step after another's allocation
@@ -159,10 +171,13 @@ def _select_v1_model_runner() -> None:
     """vLLM 0.32 runs its V2 model runner whenever Triton imports (every CUDA install), unless the
     configuration uses a feature V2 lacks; graphchunk's runner extends the V1 runner. A graphchunk
     engine reports itself as such a feature, so vLLM's own selection picks V1 and logs it once
-    ("Model Runner V2 does not yet support ...; using the V1 model runner instead"); engines with
-    other workers keep V2, and ``VLLM_USE_V2_MODEL_RUNNER=1`` still forces V2 (the worker then
-    refuses to start, ``worker.check_config``). ``VllmConfig.use_v2_model_runner`` is read in the
-    API process and in every worker alike: all of them load this plugin before building a config."""
+    ("Model Runner V2 does not yet support ...; using the V1 model runner instead"), the reason
+    naming what V1 costs: the features vLLM's V1 runner refuses (``v1_refused_features``, read from
+    the running vLLM); engines with other workers keep V2, and ``VLLM_USE_V2_MODEL_RUNNER=1`` still
+    forces V2 (the worker then refuses to start, ``worker.check_config``). A configuration using one
+    of those features is then refused by vLLM itself ("Model Runner V1 does not support: ...").
+    ``VllmConfig.use_v2_model_runner`` is read in the API process and in every worker alike: all of
+    them load this plugin before building a config."""
     from vllm.config import VllmConfig
 
     from graphchunk.engine.frontend import is_graphchunk_worker
@@ -170,21 +185,54 @@ def _select_v1_model_runner() -> None:
     original = VllmConfig._get_v2_model_runner_unsupported_features
     if getattr(original, "_graphchunk", False):
         return
+    reason = v1_reason()
 
     def unsupported_features(self) -> list[str]:
         found = original(self)
         if is_graphchunk_worker(self.parallel_config.worker_cls):
-            found.append("graphchunk's chunk-aware model runner (--worker-cls graphchunk.Runner)")
+            found.append(reason)
         return found
 
     unsupported_features._graphchunk = True
     VllmConfig._get_v2_model_runner_unsupported_features = unsupported_features
 
 
+def v1_reason() -> str:
+    """Why a graphchunk engine runs vLLM's V1 runner, and what that costs, as vLLM's selection log
+    line gets it ("Model Runner V2 does not yet support <this>; using the V1 model runner instead")."""
+    refused = v1_refused_features()
+    cost = (f"; V1 refuses {', '.join(refused)}" if refused
+            else "; the features V1 refuses could not be read from this vLLM's source")
+    return f"graphchunk's chunk-aware model runner (--worker-cls graphchunk.Runner extends the V1 runner{cost})"
+
+
+def v1_refused_features() -> tuple[str, ...]:
+    """The features vLLM's V1 model runner refuses, read from the running vLLM's own check
+    (``VllmConfig._get_v1_model_runner_unsupported_features``: each ``unsupported.append("...")``
+    with a literal string, in source order), so that the list follows the installed release; () where
+    vLLM has no such check or its source is not installed."""
+    import ast
+    import inspect
+    import textwrap
+
+    from vllm.config import VllmConfig
+
+    method = getattr(VllmConfig, "_get_v1_model_runner_unsupported_features", None)
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(method)))
+    except (OSError, TypeError):
+        return ()
+    appended = sorted((node.lineno, node.col_offset, node.args[0].value) for node in ast.walk(tree)
+                      if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                      and node.func.attr == "append" and len(node.args) == 1
+                      and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str))
+    return tuple(dict.fromkeys(value for _, _, value in appended))
+
+
 def _guard_request_bodies() -> None:
     """Rejects, for graphchunk engines, JSON booleans among graphchunk's ``vllm_xargs`` and beam
     search on a request whose chunks it would lose (a 400 naming the argument;
-    ``frontend.request_body_problem``).
+    ``request_args.request_body_problem``).
 
     vLLM's OpenAI request models type ``vllm_xargs`` as ``dict[str, str | int | float |
     list[str | int | float]]``, and pydantic's lax union validation turns true/false into 1/0
@@ -235,7 +283,7 @@ async def _request_body_problem(serving, raw_request) -> tuple[str, str] | None:
         body = await raw_request.json()  # cached: FastAPI parsed the body with it
     except Exception:  # not JSON: FastAPI has already answered such requests
         return None
-    from graphchunk.engine.frontend import request_body_problem
+    from graphchunk.engine.request_args import request_body_problem
 
     return request_body_problem(body)
 
@@ -263,7 +311,7 @@ def _annotator(processor, metrics_file: str | None = None):
     to (``published_pool``); default, the one this process names (an API server's one engine)."""
     annotator = getattr(processor, _ANNOTATOR, None)
     if annotator is None:
-        from graphchunk.blend.rope import hf_rope_refusal
+        from graphchunk.blend.rope import blend_refusal
         from graphchunk.config import GraphChunkConfig
         from graphchunk.engine.frontend import RequestAnnotator, is_graphchunk_worker, temperature_refusal
         from graphchunk.metrics import engine_metrics_file
@@ -273,7 +321,7 @@ def _annotator(processor, metrics_file: str | None = None):
         if is_graphchunk_worker(config.parallel_config.worker_cls):
             settings = GraphChunkConfig.from_additional_config(config.additional_config)
             hf_config = config.model_config.hf_config
-            annotator = RequestAnnotator(settings, processor.get_tokenizer(), hf_rope_refusal(hf_config),
+            annotator = RequestAnnotator(settings, processor.get_tokenizer(), blend_refusal(config.model_config),
                                          temperature_refusal(hf_config),
                                          published_pool(config, settings, metrics_file or engine_metrics_file(0)))
         setattr(processor, _ANNOTATOR, annotator)

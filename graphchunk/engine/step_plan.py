@@ -15,7 +15,7 @@ import dataclasses
 from typing import Callable
 
 from graphchunk.engine.context_scheduler import ContextLoad, computed_before
-from graphchunk.engine.frontend import ChunkRequest
+from graphchunk.engine.request_args import ChunkRequest
 from graphchunk.graphs.buckets import Bucket, RequestShape
 
 

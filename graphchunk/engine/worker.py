@@ -6,8 +6,8 @@
 documented so); it is this worker class, ``graphchunk.Worker``, under a second name.
 
 The worker class is chosen from the running platform: CPUWorker on CPU, the CUDA Worker on
-NVIDIA, vllm-ascend's NPUWorker on Ascend (written against vllm-ascend's API, import-guarded
-and unverified on hardware: no NPU was available to test it). On CUDA the chunk-aware model runner
+NVIDIA. Ascend is refused at start-up, naming what is missing (``ascend_refusal``; read against
+vllm-ascend's own source, ``graphchunk/contract/ascend.py``). On CUDA the chunk-aware model runner
 is built through the CUDA Worker's own hook, ``_make_model_runner``; CPUWorker and NPUWorker build
 their runner inside ``init_device`` with no hook, and its class is swapped right after.
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from graphchunk.blend.rope import hf_rope_refusal
+from graphchunk.blend.rope import blend_refusal
 from graphchunk.cache.store import prepare_directory, weights_digest
 from graphchunk.compat import UnsupportedVLLM, release, vllm_name
 from graphchunk.config import ConfigError, GraphChunkConfig
@@ -37,13 +37,23 @@ def platform_worker_class() -> type:
         from vllm.v1.worker.gpu_worker import Worker
         return Worker
     if current_platform.device_name == "npu":
-        try:
-            from vllm_ascend.worker.worker import NPUWorker
-        except ImportError as exc:
-            raise ImportError("graphchunk on Ascend needs vllm-ascend (pip install 'graphchunk[ascend]')") from exc
-        logger.warning("graphchunk: the Ascend NPU worker path is unverified on hardware")
-        return NPUWorker
+        raise ConfigError(ascend_refusal())
     raise RuntimeError(f"graphchunk has no worker for platform {current_platform.device_name!r}")
+
+
+def ascend_refusal() -> str:
+    """Why graphchunk does not start on Ascend (docs/gpu.md, 'Ascend'): what it would need from
+    vllm-ascend and does not have."""
+    from graphchunk.compat import RELEASES
+
+    return ("graphchunk does not run on Ascend yet: its chunk forwards (documents prefilled outside vLLM's step, "
+            "graphchunk/engine/runner_kv.py) build vLLM's CommonAttentionMetadata under vLLM's set_forward_context, "
+            "while vllm-ascend's attention needs, for every forward, AscendCommonAttentionMetadata (its attn_state "
+            "and actual_seq_lengths_q; vllm_ascend.attention.utils), the forward context of "
+            "set_ascend_forward_context (vllm_ascend.ascend_forward_context) and the rotary tables of "
+            "update_cos_sin(positions) (vllm_ascend.ops.rotary_embedding); graphchunk builds none of them (no NPU "
+            f"to verify them on). And no vllm-ascend release pairs with a vLLM graphchunk admits "
+            f"({', '.join(RELEASES)}): the newest, vllm-ascend 0.30.0, is for vLLM 0.30. See docs/gpu.md, 'Ascend'")
 
 
 def check_config(vllm_config, config: GraphChunkConfig) -> None:
@@ -53,9 +63,7 @@ def check_config(vllm_config, config: GraphChunkConfig) -> None:
     except UnsupportedVLLM as exc:  # a vLLM graphchunk does not admit, refused naming the ones it does
         raise ConfigError(str(exc)) from None
     if getattr(vllm_config, "use_v2_model_runner", False):
-        raise ConfigError("graphchunk needs vLLM's V1 model runner, and this configuration selects V2 "
-                          "(VLLM_USE_V2_MODEL_RUNNER=1, or a feature only V2 has); graphchunk engines select "
-                          "V1 by themselves: unset VLLM_USE_V2_MODEL_RUNNER")
+        raise ConfigError(v2_refusal())
     parallel = vllm_config.parallel_config
     if parallel.pipeline_parallel_size != 1:
         raise ConfigError("graphchunk does not support pipeline parallelism")
@@ -74,7 +82,8 @@ def check_config(vllm_config, config: GraphChunkConfig) -> None:
                           "Qwen2-VL, Qwen2.5-VL, Qwen3-VL; vLLM's model_config.uses_mrope): vLLM feeds them "
                           "multi-dimensional positions (mrope_positions), while graphchunk's isolated-mode positions "
                           "and its chunk forwards are one-dimensional")
-    refusal = hf_rope_refusal(vllm_config.model_config.hf_config)
+    check_sliding_window(vllm_config.model_config.hf_config)
+    refusal = blend_refusal(vllm_config.model_config)
     if config.mode == "blend" and refusal:
         raise ConfigError(f"graphchunk.mode='blend' is not available for this model: {refusal}; "
                           f"use mode 'isolated' (or 'auto')")
@@ -98,6 +107,33 @@ def check_config(vllm_config, config: GraphChunkConfig) -> None:
                           f"prompt of max_model_len tokens plus one chunk of max_chunk_len tokens, "
                           f"{needed * block_size} tokens at block size {block_size}")
     check_pool_fits(vllm_config, config)
+
+
+def check_sliding_window(hf_config) -> None:
+    """Sliding-window layers (Gemma-2, Gemma-3, Mistral v0.1, Phi-3-mini's 2047): vLLM keeps their KV
+    in a KV-cache group of its own and drops keys outside the window by sequence index, while
+    graphchunk's chunk and context forwards attend over one full-attention group. vLLM's
+    ``--disable-sliding-window`` (it clears ``sliding_window`` and caps max_model_len at the window,
+    where no key ever leaves it) makes such a model plain full attention, exactly."""
+    window = getattr(getattr(hf_config, "get_text_config", lambda: hf_config)(), "sliding_window", None)
+    if window:
+        raise ConfigError(f"graphchunk does not support sliding-window attention (the model's sliding_window="
+                          f"{window}): its chunk and context forwards attend over one full-attention KV cache; "
+                          f"start with --disable-sliding-window (vLLM then caps max_model_len at {window} tokens, "
+                          f"within which the window drops nothing)")
+
+
+def v2_refusal() -> str:
+    """The refusal of a configuration that selects vLLM's V2 model runner: what selects it, and what
+    staying on V1 costs (the features V1 refuses, read from the running vLLM: ``plugin.v1_refused_features``)."""
+    from graphchunk.engine.plugin import v1_refused_features
+
+    refused = v1_refused_features()
+    return ("graphchunk needs vLLM's V1 model runner (its chunk-aware runner extends V1's; it has no V2 "
+            "counterpart yet: docs/architecture.md, \"Model Runner V2\"), and this configuration selects V2: "
+            "VLLM_USE_V2_MODEL_RUNNER=1, or a setting with which vLLM selects V2 whatever else is set (HiSparse "
+            "attention, watermarking); graphchunk engines select V1 by themselves: unset VLLM_USE_V2_MODEL_RUNNER"
+            + (f" (a graphchunk engine cannot use what V1 refuses: {', '.join(refused)})" if refused else ""))
 
 
 def check_data_parallel(vllm_config, config: GraphChunkConfig) -> None:

@@ -59,6 +59,55 @@ TINY_ARCHS = {
         max_position_embeddings=8192, tie_word_embeddings=False,  # one untied lm_head among the three
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
     )),
+    # The families docs/models.md lists, each with what sets it apart from Llama at tiny size.
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(
+        max_position_embeddings=8192, sliding_window=None,  # as Mistral v0.2+ / Nemo / Small: full attention
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    )),
+    # Phi-3 fuses qkv_proj and gate_up_proj; Phi-4-mini rotates 3/4 of each head (partial rotary).
+    "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, dict(
+        max_position_embeddings=8192, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75},
+    )),
+    # Granite scales the embeddings, every residual branch, the attention logits (instead of
+    # 1/sqrt(head_dim)) and the output logits.
+    "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM, dict(
+        max_position_embeddings=8192, tie_word_embeddings=True, embedding_multiplier=12.0,
+        residual_multiplier=0.22, attention_multiplier=0.0625, logits_scaling=4.0,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )),
+    # OLMo-2: RMSNorm over the whole q and k projections (not per head), norms after each block.
+    "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM, dict(
+        max_position_embeddings=8192, rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+    )),
+    # GLM-4 (0414): q/k/v biases, half of each head rotated in interleaved (GPT-J) pairs, post-norms.
+    "glm4": (transformers.Glm4Config, transformers.Glm4ForCausalLM, dict(
+        max_position_embeddings=8192, attention_bias=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    )),
+    # Gemma-2: sliding-window layers (its real window) between global ones, attention and final
+    # logit soft-capping, embeddings scaled by sqrt(hidden_size), post-norms.
+    "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM, dict(
+        max_position_embeddings=8192, query_pre_attn_scalar=32, sliding_window=4096,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )),
+    # Gemma-3 (1B's window): sliding-window layers with a rotary embedding of their own, qk-norm.
+    "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, dict(
+        max_position_embeddings=8192, query_pre_attn_scalar=32, sliding_window=512,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
+    )),
+    # Mixtures of experts: 4 experts, 2 per token, in every layer.
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM, dict(
+        max_position_embeddings=8192, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+        decoder_sparse_step=1, norm_topk_prob=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    )),
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM, dict(
+        max_position_embeddings=8192, num_local_experts=4, num_experts_per_tok=2, sliding_window=None,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    )),
 }
 
 
@@ -213,8 +262,7 @@ def _tiny_model(arch: str, tokenizer) -> transformers.PreTrainedModel:
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        **_TINY_SHAPE,
-        **arch_kwargs,
+        **{**_TINY_SHAPE, **arch_kwargs},
     )
     with torch.random.fork_rng():
         torch.manual_seed(0)

@@ -21,8 +21,8 @@ JOURNAL = "precompute-context.jsonl"
 
 def corpus_lines(path: str | Path, text_only: bool = False) -> Iterator[tuple[str, dict, dict[str, str]]]:
     """(where, record, document) per non-empty line; errors name the line. A line's document is
-    its ``document`` object or ``{"text": text}``; ``text_only`` (``--format segments``) refuses
-    documents with other fields."""
+    its ``document`` object or ``{"text": text}``; ``text_only`` (``--format segments``,
+    ``separator``) refuses documents with other fields."""
     from graphchunk.documents import DocumentError, validate_documents
 
     with open(path, encoding="utf-8") as f:
@@ -42,7 +42,7 @@ def corpus_lines(path: str | Path, text_only: bool = False) -> Iterator[tuple[st
             except DocumentError as exc:
                 raise ValueError(f"{where}: {exc}") from None
             if text_only and list(document) != ["text"]:
-                raise ValueError(f"{where}: --format segments sends a document's text only; this one has "
+                raise ValueError(f"{where}: --format segments and separator send a document's text only; this one has "
                                  f"other fields (use --format documents)")
             yield where, record, document
 

@@ -1,8 +1,8 @@
 """``graphchunk-precompute``: fills a persistent chunk tier from a corpus, so a deployment starts warm.
 
     graphchunk-precompute --store /srv/graphchunk --corpus docs.jsonl [--model PATH] [--mode isolated]
-        [--sys "Answer from the documents."] [--format segments|documents] [--chat-template T]
-        [--dtype bfloat16] [--block-size 128]
+        [--sys "Answer from the documents."] [--format segments|documents|separator] [--separator "##"]
+        [--chat-template T] [--dtype bfloat16] [--block-size 128]
 
 The corpus is JSONL, one document per line: ``{"text": "...", "sys": "...", "mode": "isolated"}``,
 or ``{"document": {"title": "...", "text": "..."}, ...}`` for a documents request's document with
@@ -32,7 +32,14 @@ client sending token ids with ``graphchunk_boundaries`` built segment by segment
 ``sys``, none when it is empty, then the user's question) through vLLM's ``LLM.chat`` path, so the
 engine's chat template (``--chat-template`` as the server's) places and tokenizes it exactly as
 for the server's documents requests and ``GraphChunkLLM.chat(documents=...)``; their isolated
-chunks hit behind the same system message. ``--format chat`` is its earlier name. Files are
+chunks hit behind the same system message. ``--format chat`` is its earlier name.
+``--format separator`` sends each document in the seeds' form, ``sys ## document ## ?`` (the
+``--separator`` joined with a space each side, as ``" ## ".join([sys, *documents, question])``
+writes it), as a text prompt split at that separator by the server's own code, so the chunk is
+the separator's tokens and the document's, tokenized in context, exactly as in such a request
+over any documents in any order (completions with ``graphchunk_separator`` or a deployment's
+``separator``); with an empty sys also ``## document ## ?``, whose first chunk opens the text
+without the space (``separator_prompts``). Its documents are text only, like segments'. Files are
 specific to the engine's model weights, dtype, block size and tensor-parallel layout: start it
 with the server's (a file made under another is ignored and counted in
 ``vllm:graphchunk_tier_rejected_total``).
@@ -51,13 +58,17 @@ from graphchunk.tools import corpus_context
 
 QUESTION = "?"
 """The one-token question each document's request ends with (its KV is never stored)."""
+FORMS = ("segments", "documents", "separator")
+"""How the requests the tier serves are sent (``--format``; 'chat' is documents' earlier name)."""
+SEPARATOR = "##"
+"""``--format separator``'s default separator (the seeds' form, ``sys ## d1 ## d2 ## question``)."""
 
 
 def read_corpus(path: str | Path, sys_prompt: str, mode: str,
                 text_only: bool = False) -> dict[tuple[str, str], list[dict[str, str]]]:
     """Documents grouped by (sys, mode), in file order, duplicates once; errors name the line. A
     line's document is its ``document`` object or ``{"text": text}``; ``text_only`` (``--format
-    segments``) refuses documents with other fields."""
+    segments``, ``separator``) refuses documents with other fields."""
     groups: dict[tuple[str, str], list[dict[str, str]]] = defaultdict(list)
     seen = set()
     for where, record, document in corpus_context.corpus_lines(path, text_only):
@@ -74,16 +85,17 @@ def read_corpus(path: str | Path, sys_prompt: str, mode: str,
 TIER_COUNTERS = ("tier_writes", "tier_bytes_written", "tier_hits", "tier_rejected", "tier_write_errors", "misses")
 
 
-def precompute(llm, groups: dict[tuple[str, str], list[dict[str, str]]], documents: bool,
-               progress: bool = True) -> dict:
-    """Runs every document once, alone; returns the tier counters moved and the time taken."""
+def precompute(llm, groups: dict[tuple[str, str], list[dict[str, str]]], form: str, progress: bool = True,
+               separator: str = SEPARATOR) -> dict:
+    """Runs every document once, alone, in ``form`` (``FORMS``); returns the tier counters moved
+    and the time taken."""
     from vllm import SamplingParams
 
     before, start = llm.stats(), time.monotonic()
     for (sys_prompt, mode), docs in groups.items():
         params = SamplingParams(max_tokens=1, temperature=0.0,
                                 extra_args=None if mode == "auto" else {"graphchunk_mode": mode})
-        _run(llm, [(sys_prompt, [doc]) for doc in docs], params, documents, progress)
+        _run(llm, [(sys_prompt, [doc]) for doc in docs], params, form, progress, separator, both_openings=True)
     return {"documents": sum(map(len, groups.values())), "seconds": time.monotonic() - start,
             **_moved(before, llm.stats())}
 
@@ -94,8 +106,8 @@ def contextualized(groups, contexts: dict) -> list[tuple[str, dict[str, str], li
     return [(sys_prompt, doc, contexts[tuple(doc.items())]) for (sys_prompt, _), docs in groups.items() for doc in docs]
 
 
-def precompute_contextualized(llm, todo: list, documents: bool, journal: corpus_context.Journal,
-                              progress: bool = True) -> dict:
+def precompute_contextualized(llm, todo: list, form: str, journal: corpus_context.Journal,
+                              progress: bool = True, separator: str = SEPARATOR) -> dict:
     """Runs each document of ``todo`` (``contextualized``) behind its context as one blend request
     of the ``blend_entries`` 'precompute' engine, in batches; a batch all of whose documents were
     written to the tier is recorded in ``journal``, whose documents are skipped. Returns the
@@ -108,7 +120,8 @@ def precompute_contextualized(llm, todo: list, documents: bool, journal: corpus_
     bar = corpus_context.progress_bar(len(todo), len(todo) - len(left), progress)
     for batch in corpus_context.batches(left, journal.batch_size):
         written = llm.stats()["tier_writes"]
-        _run(llm, [(sys_prompt, [*context, doc]) for sys_prompt, doc, context in batch], params, documents, False)
+        _run(llm, [(sys_prompt, [*context, doc]) for sys_prompt, doc, context in batch], params, form, False,
+             separator)
         if llm.stats()["tier_writes"] - written == len(batch):
             journal.record(batch)
         else:
@@ -119,13 +132,31 @@ def precompute_contextualized(llm, todo: list, documents: bool, journal: corpus_
             "unwritten": unwritten, **_moved(before, llm.stats())}
 
 
-def _run(llm, requests: list[tuple[str, list[dict[str, str]]]], params, documents: bool, progress: bool) -> None:
-    """One request per (sys prompt, documents), run together: a documents chat request
-    (``documents``: vLLM's renderer places and tokenizes them, as for the server's) or segments."""
+def separator_prompts(sys_prompt: str, texts: list[str], separator: str = SEPARATOR,
+                      both_openings: bool = False) -> list[str]:
+    """The seeds'-form text of one request over ``texts``: ``sys ## d1 ## ... ## ?``, the
+    separator with a space each side. A byte-level BPE splits words at spaces before it merges, so
+    each chunk, `` ##`` and its document (up to the next `` ##``), is tokenized as in any such text
+    over any documents. With an empty sys and ``both_openings``, also the form that opens with the
+    separator, ``## d1 ## ... ## ?`` (the seed documents'), whose first chunk starts with the
+    separator's tokens without the space: its own entry."""
+    text = f" {separator.strip()} ".join([sys_prompt, *texts, QUESTION])
+    return [text, text[1:]] if both_openings and not sys_prompt else [text]
+
+
+def _run(llm, requests: list[tuple[str, list[dict[str, str]]]], params, form: str, progress: bool,
+         separator: str = SEPARATOR, both_openings: bool = False) -> None:
+    """One request per (sys prompt, documents), run together: a documents chat request (vLLM's
+    renderer places and tokenizes them, as for the server's), segments, or the seeds' form's text
+    split at ``separator`` by the server's own code (``separator_prompts``)."""
     from graphchunk.documents import document_messages
     from graphchunk.llm import RagPrompt
 
-    if documents:  # vLLM's LLM.chat path
+    if form == "separator":
+        texts = [text for sys_prompt, docs in requests
+                 for text in separator_prompts(sys_prompt, [d["text"] for d in docs], separator, both_openings)]
+        llm.generate(texts, params, use_tqdm=progress, separator=separator)
+    elif form == "documents":  # vLLM's LLM.chat path
         for sys_prompt, docs in requests:
             llm.llm.enqueue_chat(document_messages(sys_prompt, QUESTION), params, use_tqdm=False,
                                  chat_template_kwargs={"documents": docs})
@@ -150,8 +181,11 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--mode", default="auto", choices=MODE_SETTINGS,
                         help="the mode the server's requests run in (auto: its default, blend where the model can blend)")
     parser.add_argument("--sys", default="", help="sys prompt of documents whose line gives none")
-    parser.add_argument("--format", default="segments", choices=("segments", "documents", "chat"),
-                        help="the requests' form: segments, or documents (chat: the same as documents)")
+    parser.add_argument("--format", default="segments", choices=(*FORMS, "chat"),
+                        help="the requests' form: segments, documents (chat: the same as documents), or "
+                             "separator (text split at --separator)")
+    parser.add_argument("--separator", default=SEPARATOR,
+                        help="--format separator: the requests' separator (graphchunk_separator or the server's)")
     parser.add_argument("--chat-template", default=None, help="the server's --chat-template, if it has one")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--block-size", type=int, default=None, help="the server's --block-size (vLLM's default)")
@@ -169,7 +203,11 @@ def make_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
-    text_only = args.format == "segments"
+    form = "documents" if args.format == "chat" else args.format
+    text_only = form != "documents"
+    if not args.separator.strip():
+        print("graphchunk-precompute: --separator must hold a non-whitespace character", file=sys.stderr)
+        return 2
     try:
         groups = read_corpus(args.corpus, args.sys, args.mode, text_only=text_only)
         extra = json.loads(args.graphchunk)
@@ -186,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     if contexts is not None:
         setup = {key: getattr(args, key) for key in ("model", "dtype", "block_size", "tensor_parallel_size",
                                                      "format", "chat_template", "context", "context_size")}
+        if form == "separator":
+            setup["separator"] = args.separator.strip()
         journal = corpus_context.Journal(args.store, setup, args.batch)
         todo = contextualized(groups, contexts)
         if all(journal.done(*item) for item in todo):
@@ -201,15 +241,14 @@ def main(argv: list[str] | None = None) -> int:
         settings["store_key_file"] = args.store_key_file
     if contexts is not None:
         settings.update(blend_entries="precompute", mode="blend")
-    documents = not text_only
     with GraphChunkLLM(args.model, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size,
                        kv_cache_memory_bytes=args.kv_cache_memory_bytes, enforce_eager=True,
                        graphchunk=settings, **engine) as llm:
         try:
             if contexts is None:
-                result = precompute(llm, groups, documents=documents)
+                result = precompute(llm, groups, form, separator=args.separator)
             else:
-                result = precompute_contextualized(llm, todo, documents, journal)
+                result = precompute_contextualized(llm, todo, form, journal, separator=args.separator)
         except ValueError as exc:  # a document the engine refuses (too long, ...): named by vLLM's error
             print(f"graphchunk-precompute: {exc}", file=sys.stderr)
             return 2

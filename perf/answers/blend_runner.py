@@ -83,7 +83,7 @@ class Runner:
         return self.encoded[key]
 
     def request(self, setting: Setting, sys_text, docs, question, params):
-        from graphchunk.engine.frontend import BOUNDARIES_ARG
+        from graphchunk.engine.request_args import BOUNDARIES_ARG
 
         ids, bounds = self.encode(sys_text, docs, question)
         prompt = {"prompt_token_ids": list(ids)}

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from graphchunk.engine.frontend import TEMPERATURE_ARG
+from graphchunk.engine.request_args import TEMPERATURE_ARG
 
 from perf.answers.rag_tasks import FAMILIES as TASK_KINDS, Task, build_tasks, encode  # noqa: F401  (bench_blend's names)
 

@@ -89,7 +89,7 @@ from graphchunk.cache.chunk_cache import ChunkCache, ScheduledPrompt  # noqa: E4
 from graphchunk.cache.keys import KeySpace  # noqa: E402
 from graphchunk.cache.kv_slots import KVCopier, KVSlotMap  # noqa: E402
 from graphchunk.cache.pool import ChunkPool  # noqa: E402
-from graphchunk.engine.frontend import ChunkRequest  # noqa: E402
+from graphchunk.engine.request_args import ChunkRequest  # noqa: E402
 from graphchunk.segments import split_at  # noqa: E402
 
 LAYOUTS = {  # vLLM's KVCacheLayout: physical order of the logical axes [L, B, H, N, C], outermost first

@@ -96,7 +96,7 @@ def engine_setup(args, model_path: str, workload: Workload) -> EngineSetup:
 
 
 def sampling_params(boundaries: list[int] | None):
-    from graphchunk.engine.frontend import BOUNDARIES_ARG
+    from graphchunk.engine.request_args import BOUNDARIES_ARG
 
     return H.ttft_params({BOUNDARIES_ARG: boundaries} if boundaries is not None else None)
 
