@@ -1,11 +1,12 @@
 """The serving benchmark end to end at its ``--quick`` size (``perf/serving/bench_serve.py``), in
-the suite's smallest form: vanilla vLLM and graphchunk's isolated server (``--kinds vanilla,isolated
---no-precomputed``: two server starts, 5 passes) through vLLM's own ``vllm bench serve`` (the
+the suite's smallest form: vanilla vLLM and graphchunk's isolated server with a host-memory tier
+(``--kinds vanilla,isolated/host=16777216 --no-precomputed``: two server starts, 5 passes) through vLLM's own ``vllm bench serve`` (the
 benchmark's shim) on the tiny Llama checkpoint, concurrency 1, a few requests a pass, eager. Asserts
 the result file's structure and what could go wrong whatever the timings: every row present and
 every request completed, the documents arrived as documents (one chunk lookup each), warm passes hit
 more than cold ones, vanilla's ceiling pass hits vLLM's prefix cache, and vanilla and graphchunk were
-sent the same prompts. No timing is asserted.
+sent the same prompts, the /host= kind reached its server's settings, and the load sampled from
+/metrics during each pass is there and sane. No timing is asserted.
 
 What the suite leaves to the benchmark's own ``--quick`` (every kind, a precomputed tier): a blend
 server and a server on a tier are the same code here with other settings (``settings_of``, below);
@@ -23,7 +24,10 @@ from perf.serving import bench_serve
 
 pytestmark = pytest.mark.slow
 
-PHASES = {"vanilla": ("cold", "warm", "ceiling"), "isolated": ("cold", "warm")}
+HOST_BYTES = 16 << 20
+GC = f"isolated/host={HOST_BYTES}"
+"""The graphchunk kind of the run: isolated mode over a host-memory tier (``/host=``)."""
+PHASES = {"vanilla": ("cold", "warm", "ceiling"), GC: ("cold", "warm")}
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +56,8 @@ def test_structure(result):
     assert result["config"]["quick"] and result["config"]["concurrency"] == [1]
     assert result["environment"]["vllm"] and "graphchunk_commit" in result["environment"]
     assert result["sizes"]["pool_holds_working_set"]
-    assert [s["name"] for s in result["servers"]] == ["vanilla", "isolated"] and result["precompute"] is None
+    assert [s["name"] for s in result["servers"]] == ["vanilla", GC] and result["precompute"] is None
+    assert f'"host_bytes": {HOST_BYTES}' in result["servers"][1]["command"]  # the /host= kind reached the server
     assert result["_plot"].stat().st_size > 0
     found = {(r["kind"], r["phase"], r["concurrency"]) for r in result["rows"]}
     assert found == {(k, p, 1) for k, phases in PHASES.items() for p in phases}
@@ -82,8 +87,51 @@ def test_documents_arrived_as_documents(result):
 
 
 def test_warm_hits_more_than_cold(result):
-    for cold, warm in zip(rows_of(result, "isolated", "cold"), rows_of(result, "isolated", "warm")):
+    for cold, warm in zip(rows_of(result, GC, "cold"), rows_of(result, GC, "warm")):
         assert warm["cache"]["chunk_hit_rate"] > cold["cache"]["chunk_hit_rate"], (cold["cache"], warm["cache"])
+
+
+def test_the_load_was_sampled_during_each_pass(result):
+    """Running and waiting requests, device KV blocks and (graphchunk) pool blocks: sampled at least
+    once per pass, max >= median >= 0, never more running than the pass's concurrency, never more
+    blocks held than the device has; the host level's hits counted (a number, on graphchunk's rows)."""
+    for row in result["rows"]:
+        names = ("running", "waiting", "device_kv_blocks") + (("pool_blocks_used",) if row["kind"] != "vanilla" else ())
+        for name in names:
+            found = row[name]
+            assert found["samples"] > 0 and found["max"] >= found["median"] >= 0, (name, row)
+        assert row["running"]["max"] <= row["concurrency"], row
+        assert 0 < row["device_kv_blocks_total"] and row["device_kv_blocks"]["max"] < row["device_kv_blocks_total"], row
+        assert row["cache"]["preemptions"] is not None
+        if row["kind"] == "vanilla":
+            assert row["pool_blocks_used"] is None and row["cache"]["tier_host_hits"] is None, row
+        else:
+            assert row["pool_blocks_used"]["max"] > 0 and row["cache"]["tier_host_hits"] >= 0, row
+
+
+def test_a_kind_takes_a_pool_share_and_a_host_level(tokenizer):
+    """``KIND/pool=SHARE/host=BYTES``: the pool's tokens at that share and ``host_bytes`` in the
+    server's graphchunk settings (no directory); bad options are refused."""
+    from perf.common import harness as H
+    from perf.serving.bench_serve import QUICK, build_parser, kind_options, pool_tokens_at, server_settings, settings_of
+
+    from graphchunk.config import GraphChunkConfig
+
+    args = H.parse_with_quick(build_parser(), ["--quick"], QUICK)
+    model = H.resolve_model(args.model)
+    kind = "blend/pool=0.25/host=1073741824"
+    assert kind_options(kind) == ("blend", {"pool": 0.25, "host": 1073741824})
+    settings = server_settings(args, model, kind)
+    assert settings == {"mode": "blend", "host_bytes": 1073741824, "pool_tokens": pool_tokens_at(args, model, 0.25)}
+    assert 0 < settings["pool_tokens"] < pool_tokens_at(args, model, 0.5)
+    config = GraphChunkConfig.from_dict(settings)
+    assert config.host_bytes == 1073741824 and not config.store_path
+    assert settings_of("isolated/host=4096") == {"mode": "isolated", "host_bytes": 4096}
+    assert server_settings(args, model, "vanilla") is None
+    for bad in ("vanilla/host=4096", "blend/host=0", "blend/host=1.5", "blend/host=4096/host=4096", "blend/pool=1",
+                "blend/other=1", "blend/host"):
+        with pytest.raises(ValueError):
+            settings_of(bad)
 
 
 def test_the_precompute_corpus_holds_every_document_under_every_system_prompt(tokenizer, tmp_path):

@@ -6,7 +6,8 @@ or done on its side.
   with ``worker_cls=None``) waits until healthy; ``metrics``, ``drain``, ``read_leaks`` and
   ``health`` read the current one over HTTP; ``end_incarnation`` records its drained /metrics,
   leak gauges and final RSS; a sampler thread records its process tree's RSS;
-* ``scrape`` / ``total``: Prometheus text of /metrics as samples;
+* ``scrape`` / ``total``: Prometheus text of /metrics as samples; ``GaugeSampler`` reads gauges on a
+  thread while a pass runs, ``spread`` summarizes them, ``label_of`` reads an info gauge's field;
 * ``tree_rss``: RSS of a process and its descendants (psutil, else /proc);
 * tier files: ``tier_files`` lists them, ``truncate_file`` and ``flip_payload_bytes`` plant
   corruption in place, ``read_or_none`` reads one back;
@@ -66,6 +67,53 @@ def total(samples, name: str, **labels) -> float | None:
     """Sum of ``name``'s samples whose labels include ``labels``; None when it has none."""
     found = [v for n, ls, v in samples if n == name and all(ls.get(k) == x for k, x in labels.items())]
     return sum(found) if found else None
+
+
+class GaugeSampler:
+    """Samples /metrics gauges on a background thread while a pass runs: ``with
+    GaugeSampler(url, names):`` reads ``names`` (each summed over its labels) at entry and then every
+    ``interval`` seconds until exit; ``samples`` holds one dict per read (a name the server does not
+    export is absent; a read that failed is skipped). One /metrics read per interval."""
+
+    def __init__(self, url: str, names: tuple[str, ...], interval: float = 0.5):
+        self.url, self.names, self.interval = url, names, interval
+        self.samples: list[dict[str, float]] = []
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> "GaugeSampler":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stopped.set()
+        self.thread.join()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                samples = scrape(self.url, timeout=5.0)
+            except OSError:
+                samples = None
+            if samples is not None:
+                self.samples.append({name: value for name in self.names if (value := total(samples, name)) is not None})
+            if self.stopped.wait(self.interval):
+                return
+
+
+def spread(values: list[float]) -> dict | None:
+    """``{"median", "max", "samples"}`` of sampled values; None without any."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    median = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+    return {"median": median, "max": ordered[-1], "samples": len(ordered)}
+
+
+def label_of(samples, name: str, label: str) -> str | None:
+    """Label ``label`` of the first sample of ``name`` (an info gauge's field), or None."""
+    return next((ls.get(label) for n, ls, _ in samples if n == name and label in ls), None)
 
 
 def tree_rss(pid: int) -> int:

@@ -23,7 +23,9 @@ chunk pool takes half, sized to hold each level's working set, said in the JSON)
   pool hits over those entries; requests carry no salt);
 * any graphchunk kind with ``/pool=SHARE`` (``blend/pool=0.25``): its chunk pool set to that share
   of the KV-cache budget (``pool_tokens``) instead of half: what the pool takes from the requests'
-  KV, against what it saves (docs/sizing.md).
+  KV, against what it saves (docs/sizing.md); with ``/host=BYTES`` (``blend/pool=0.25/host=1073741824``)
+  a host-memory tier of BYTES below the pool (``host_bytes``, no directory): a small device pool
+  whose evicted entries come back from host memory.
 
 Traffic (``serve_trace.py``): per concurrency level its own slice of a corpus of CPython help-topic
 documents (so cold on a level is first sight for that server), Zipf popularity, ``--docs-per-prompt``
@@ -51,7 +53,9 @@ of vLLM's bench over a JSONL file, its ``--save-result`` JSON read back):
 
 Each row: vLLM's numbers (request and output-token throughput, TTFT/TPOT/ITL/E2EL p50 and p99),
 the server's /metrics deltas over the pass (graphchunk's chunk lookups, hits, tier hits, tokens
-computed; vLLM's prefix-cache queries and hits), ratios against vanilla's same phase and level
+computed; vLLM's prefix-cache queries and hits), the load sampled from /metrics every 0.5 s while
+the pass ran (median and max of vLLM's running and waiting requests, of the device KV blocks they
+hold, of graphchunk's pool blocks in use), ratios against vanilla's same phase and level
 (precomputed: against vanilla cold) and the gain fraction. Writes ``--out`` and ``--plot``.
 
 The shim (``vllm_bench_serve``): vLLM's ``custom`` dataset sends one ``prompt`` per JSONL row and
@@ -76,7 +80,7 @@ from pathlib import Path
 from perf.common import harness as H
 from perf.serving import serve_trace as T
 from perf.answers.blend_task import one_setting
-from perf.common.server import scrape, total
+from perf.common.server import KV_USAGE, GaugeSampler, label_of, scrape, spread, total
 from graphchunk.tools.serve_demo import VllmServer
 
 KINDS = {"vanilla": None, "isolated": {"mode": "isolated"}, "blend": {"mode": "blend"}}
@@ -89,25 +93,42 @@ BLEND_PREFIX = "Here is a document.\n\n"
 """The fixed text of the ``blend-prefix`` kinds (measured on the HF oracle: docs/quality.md)."""
 
 
-def pool_share(kind: str) -> tuple[str, float | None]:
-    """``KIND/pool=SHARE``: graphchunk server ``KIND`` with its chunk pool set (``pool_tokens``) to
-    SHARE of the KV-cache budget instead of graphchunk's default half (the sizing guide's runs)."""
-    base, sep, share = kind.partition("/pool=")
-    if not sep:
-        return kind, None
+OPTIONS = {"pool": "a share of the KV-cache budget in (0, 1)", "host": "a positive number of bytes"}
+"""A graphchunk kind's ``/NAME=VALUE`` options (``kind_options``) and what each takes."""
+
+
+def _option(name: str, text: str) -> float | int | None:
+    """An option's value, or None when it is not one ``OPTIONS`` allows."""
     try:
-        value = float(share)
+        value = float(text) if name == "pool" else int(text)
     except ValueError:
-        value = -1.0
-    if not 0 < value < 1 or settings_of(base) is None:
-        raise ValueError(f"{kind!r}: /pool= takes a share of the KV-cache budget in (0, 1), after a graphchunk kind")
-    return base, value
+        return None
+    return value if (0 < value < 1 if name == "pool" else value > 0) else None
+
+
+def kind_options(kind: str) -> tuple[str, dict]:
+    """``KIND/pool=SHARE/host=BYTES`` (either option, any order): graphchunk server ``KIND`` with its
+    chunk pool set (``pool_tokens``) to SHARE of the KV-cache budget instead of graphchunk's default
+    half (the sizing guide's runs), and a host-memory tier of BYTES below it (``host_bytes``, no
+    directory). Returns ``KIND`` and ``{"pool": SHARE, "host": BYTES}`` (the options given)."""
+    base, *parts = kind.split("/")
+    options = {}
+    for part in parts:
+        name, _, text = part.partition("=")
+        value = _option(name, text) if name in OPTIONS and name not in options else None
+        if value is None or settings_of(base) is None:
+            raise ValueError(f"{kind!r}: after a graphchunk kind, each of " + ", ".join(
+                f"/{n}= takes {what}" for n, what in OPTIONS.items()) + ", once")
+        options[name] = value
+    return base, options
 
 
 def settings_of(kind: str) -> dict | None:
     """graphchunk's settings of server ``kind`` (``KINDS``, or ``blend:POLICY``; either with
-    ``/pool=SHARE``, whose ``pool_tokens`` ``start_server`` sets)."""
-    kind, _ = pool_share(kind)
+    ``/pool=SHARE``, whose ``pool_tokens`` ``server_settings`` sets, and ``/host=BYTES``: ``host_bytes``)."""
+    kind, options = kind_options(kind)
+    if "host" in options:
+        return {**settings_of(kind), "host_bytes": options["host"]}
     if kind in KINDS:
         return KINDS[kind]
     name, _, spec = kind.partition(":")
@@ -125,7 +146,7 @@ def settings_of(kind: str) -> dict | None:
 
 def on_corpus(kind: str) -> bool:
     """Whether server ``kind`` runs on the contextualized corpus tier (``blend-corpus``)."""
-    return pool_share(kind)[0].partition(":")[0] == "blend-corpus"
+    return kind_options(kind)[0].partition(":")[0] == "blend-corpus"
 
 
 TENANT = "bench-serve"
@@ -139,9 +160,15 @@ def tenant_of(kind: str) -> str | None:
 
 
 COUNTERS = ("vllm:graphchunk_lookups_total", "vllm:graphchunk_hits_total", "vllm:graphchunk_misses_total",
-            "vllm:graphchunk_tier_hits_total", "vllm:graphchunk_evictions_total", "vllm:graphchunk_tokens_reused_total",
+            "vllm:graphchunk_tier_hits_total", "vllm:graphchunk_tier_host_hits_total",
+            "vllm:graphchunk_evictions_total", "vllm:graphchunk_tokens_reused_total",
             "vllm:graphchunk_tokens_computed_total", "vllm:graphchunk_blend_tokens_recomputed_total",
             "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total")
+
+
+GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", KV_USAGE, "vllm:graphchunk_pool_blocks_used")
+"""The /metrics gauges sampled while a pass runs (``GaugeSampler``, every ``SAMPLE_INTERVAL`` s)."""
+SAMPLE_INTERVAL = 0.5
 
 
 # --- the shim -----------------------------------------------------------------------------------
@@ -220,16 +247,23 @@ def pool_tokens_at(args, model: Path, share: float) -> int:
 
 
 def file_stem(name: str) -> str:
-    """``name`` (a server's or a pass's) as a file name: a ``/pool=`` kind's slash replaced."""
+    """``name`` (a server's or a pass's) as a file name: a ``/pool=`` or ``/host=`` kind's slashes replaced."""
     return name.replace("/", "_")
 
 
-def start_server(args, model: Path, kind: str, work: Path, store: Path | None = None, log=print) -> VllmServer:
+def server_settings(args, model: Path, kind: str, store: Path | None = None) -> dict | None:
+    """The ``--additional-config`` graphchunk section of server ``kind`` (None: vanilla): its
+    settings, ``store``'s tier, and a ``/pool=SHARE`` kind's pool in tokens."""
     settings = settings_of(kind)
     settings = settings and {**settings, **({"store_path": str(store)} if store else {})}
-    share = pool_share(kind)[1]
+    share = kind_options(kind)[1].get("pool")
     if share is not None:
         settings["pool_tokens"] = pool_tokens_at(args, model, share)
+    return settings
+
+
+def start_server(args, model: Path, kind: str, work: Path, store: Path | None = None, log=print) -> VllmServer:
+    settings = server_settings(args, model, kind, store)
     name = server_name(kind, store)
     server = VllmServer(model, dtype=args.dtype, graphchunk=settings, flags=server_flags(args),
                         worker_cls="graphchunk.Runner" if settings else None, log_path=work / f"{file_stem(name)}.log")
@@ -259,6 +293,25 @@ def counters(url: str) -> dict[str, float]:
             break
         last = now
     return last
+
+
+def device_blocks(url: str) -> int | None:
+    """vLLM's device KV blocks for requests (``num_gpu_blocks`` of ``vllm:cache_config_info``: what is
+    left after graphchunk's pool), or None where /metrics does not say."""
+    value = label_of(scrape(url), "vllm:cache_config_info", "num_gpu_blocks")
+    return int(value) if value and value.isdigit() else None
+
+
+def load_of(samples: list[dict], blocks: int | None) -> dict:
+    """A pass's sampled load: vLLM's running and waiting requests, the device KV blocks requests
+    hold (``kv_cache_usage_perc`` x the blocks but the null one: vLLM's own usage rule, prefix-cached
+    blocks no request holds counted free) and graphchunk's pool blocks holding KV, each's ``spread``."""
+    series = lambda name: [s[name] for s in samples if name in s]  # noqa: E731
+    held = [round(u * (blocks - 1)) for u in series(KV_USAGE)] if blocks else []
+    return {"running": spread(series("vllm:num_requests_running")),
+            "waiting": spread(series("vllm:num_requests_waiting")),
+            "device_kv_blocks": spread(held), "device_kv_blocks_total": blocks,
+            "pool_blocks_used": spread(series("vllm:graphchunk_pool_blocks_used"))}
 
 
 def precompute_lines(levels, context: bool = False) -> list[dict]:
@@ -307,12 +360,14 @@ def run_pass(args, server: VllmServer, kind: str, phase: str, level, trace: str,
     result_file.parent.mkdir(parents=True, exist_ok=True)
     log(f"[serve] pass {label}: {n} requests at concurrency {c}")
     argv = bench_argv(args, server.url, str(server.model), jsonl, n, c, result_file, label, tenant_of(kind))
-    before = counters(server.url)
-    vllm_bench_serve(argv)
+    before, blocks = counters(server.url), device_blocks(server.url)
+    with GaugeSampler(server.url, GAUGES, SAMPLE_INTERVAL) as sampler:
+        vllm_bench_serve(argv)
     after = counters(server.url)
     found = json.loads(result_file.read_text())
     row = make_row(kind, phase, c, trace, found, {k: after[k] - before.get(k, 0.0) for k in after},
                    docs_sent=sum(len(r.doc_ids) for r in level.traces[trace]))
+    row.update(load_of(sampler.samples, blocks))
     row["bench_argv"] = argv
     log(f"[serve] {label}: " + one_line(row))
     return row
@@ -350,6 +405,7 @@ def make_row(kind: str, phase: str, c: int, trace: str, found: dict, delta: dict
     lookups, hits, tier = get("vllm:graphchunk_lookups_total"), get("vllm:graphchunk_hits_total"), get("vllm:graphchunk_tier_hits_total")
     queries, cached = get("vllm:prefix_cache_queries_total"), get("vllm:prefix_cache_hits_total")
     cache = {"documents_sent": docs_sent, "chunk_lookups": lookups, "chunk_hits": hits, "tier_hits": tier,
+             "tier_host_hits": get("vllm:graphchunk_tier_host_hits_total"),
              "chunk_misses": get("vllm:graphchunk_misses_total"), "evictions": get("vllm:graphchunk_evictions_total"),
              "chunk_hit_rate": (1 - get("vllm:graphchunk_misses_total") / docs_sent) if lookups is not None else None,
              "tokens_computed_per_request": (get("vllm:graphchunk_tokens_computed_total") / n if lookups is not None
@@ -377,7 +433,9 @@ def one_line(row: dict) -> str:
              if cache["chunk_hit_rate"] is not None else f"prefix-cache hit rate {cache['prefix_cache_hit_rate'] or 0:.2f}")
     return (f"{row['completed']}/{row['num_prompts']} ok, {row['failed']} failed, {row['request_throughput']:.2f} req/s, "
             f"{row['output_throughput']:.1f} tok/s, TTFT p50 {row['ttft_ms']['p50']:.0f} ms p99 {row['ttft_ms']['p99']:.0f} ms, "
-            f"{reuse}, {row['cache']['tokens_computed_per_request'] or 0:.0f} tokens computed/request")
+            f"{reuse}, {row['cache']['tokens_computed_per_request'] or 0:.0f} tokens computed/request, running "
+            f"{med_max(row['running'])}, waiting {med_max(row['waiting'])}, "
+            f"KV blocks {med_max(row['device_kv_blocks'])}")
 
 
 def _find(rows: list[dict], kind: str, phase: str, c: int) -> dict | None:
@@ -477,6 +535,14 @@ def report(args, command: str, clock, model: Path, levels, rows: list[dict], ser
                       "step budget on CPU) splits a prompt over two steps, at concurrency >= 8, chunk_lookups "
                       "exceed documents_sent and the second lookup is a hit; at concurrency 1 they are equal. "
                       "prefix_cache_* are vLLM's own /metrics (tokens)",
+                      f"running, waiting, device_kv_blocks, pool_blocks_used: /metrics sampled every "
+                      f"{SAMPLE_INTERVAL} s while the pass ran (median, max, samples; the first read is taken as "
+                      "the pass starts): vLLM's num_requests_running and num_requests_waiting; the device KV blocks "
+                      "requests hold, vLLM's kv_cache_usage_perc x (device_kv_blocks_total - 1), "
+                      "device_kv_blocks_total being num_gpu_blocks of vllm:cache_config_info (what graphchunk's "
+                      "pool leaves vLLM; prefix-cached blocks no request holds count free, as in vLLM's usage); "
+                      "graphchunk's pool_blocks_used gauge. cache.tier_host_hits: tier loads served from the host-"
+                      "memory level (graphchunk_tier_host_hits; tier_hits counts lookups served by either level)",
                       "ratios: graphchunk / vanilla of the same phase and level (precomputed: vanilla cold); "
                       "ttft_*_speedup = vanilla / graphchunk; gain_fraction = (graphchunk - vanilla warm) / "
                       "(vanilla ceiling - vanilla warm)"]}
@@ -511,18 +577,27 @@ def plot(result: dict, path: Path) -> None:
     H.save_figure(fig, path)
 
 
+def med_max(spread: dict | None) -> str:
+    """A sampled gauge's ``median/max`` ("-": not sampled)."""
+    return f"{spread['median']:g}/{spread['max']:g}" if spread else "-"
+
+
 def table(result: dict) -> str:
     width = max([9, *(len(r["kind"]) for r in result["rows"])])
     lines = [f"{'kind':{width}s} phase        c  req/s   tok/s  TTFT p50 ms  p99 ms  TPOT p50  hit rate  x vanilla req/s  "
-             "TTFT speedup  gain(req/s)"]
+             "TTFT speedup  gain(req/s)  running  waiting  KV blocks  pool blocks  tier(host) hits  preempt"]
     for r in result["rows"]:
         hit = r["cache"]["chunk_hit_rate"] if r["kind"] != "vanilla" else r["cache"]["prefix_cache_hit_rate"]
         vs, gain = r.get("vs_vanilla", {}), r.get("gain_fraction", {})
         fmt = lambda v, f: format(v, f) if v is not None else "-"  # noqa: E731
+        tier = f"{fmt(r['cache']['tier_hits'], '.0f')}({fmt(r['cache'].get('tier_host_hits'), '.0f')})"
         lines.append(f"{r['kind']:{width}s} {r['phase']:11s} {r['concurrency']:3d} {r['request_throughput']:6.2f} "
                      f"{r['output_throughput']:7.1f} {r['ttft_ms']['p50']:11.0f} {r['ttft_ms']['p99']:7.0f} "
                      f"{fmt(r['tpot_ms']['p50'], '8.0f')} {fmt(hit, '9.2f')} {fmt(vs.get('request_throughput'), '16.2f')} "
-                     f"{fmt(vs.get('ttft_p50_speedup'), '13.2f')} {fmt(gain.get('request_throughput'), '11.2f')}")
+                     f"{fmt(vs.get('ttft_p50_speedup'), '13.2f')} {fmt(gain.get('request_throughput'), '11.2f')}  "
+                     f"{med_max(r.get('running')):>7s}  {med_max(r.get('waiting')):>7s}  "
+                     f"{med_max(r.get('device_kv_blocks')):>9s}  {med_max(r.get('pool_blocks_used')):>11s}  "
+                     f"{tier:>15s}  {fmt(r['cache']['preemptions'], '7.0f')}")
     return "\n".join(lines)
 
 
