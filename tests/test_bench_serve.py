@@ -201,3 +201,17 @@ def test_a_blend_kind_names_its_recompute_policy():
     for bad in ("blend-prefix:vanilla", "blend:vanilla", "blend:isolated:0.8", "other", "blend:question:x"):
         with pytest.raises((ValueError, SystemExit)):
             settings_of(bad)
+
+
+def test_documents_arrived_allows_only_full_prefilled_requests_documents_unlooked():
+    """A pass's documents are looked up, but a full-prefilled request's may not be (5 documents a
+    request here): 315 lookups of 320 pass with one full prefill, not without; at concurrency 1 the
+    lookups are exact."""
+    def row(lookups, full_prefills, concurrency=16):
+        return {"num_prompts": 64, "concurrency": concurrency,
+                "cache": {"documents_sent": 320, "chunk_lookups": lookups, "blend_full_prefills": full_prefills}}
+
+    assert bench_serve.documents_arrived(row(320, 0)) and bench_serve.documents_arrived(row(330, 0))
+    assert bench_serve.documents_arrived(row(315, 1)) and not bench_serve.documents_arrived(row(315, 0))
+    assert not bench_serve.documents_arrived(row(310, 1))
+    assert not bench_serve.documents_arrived(row(330, 0, concurrency=1))
