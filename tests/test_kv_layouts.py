@@ -58,8 +58,11 @@ def writer(backend: str, dtype):
 def filled(layout, backend, dtype, seed: int):
     """vLLM's caches with random K/V written through the backend's op at every slot, and the K/V
     written ([layers, slots, heads, head_size] each)."""
-    caches = vllm_caches(layout, dtype)
-    write_kv = writer(backend, dtype)
+    return written(vllm_caches(layout, dtype), writer(backend, dtype), dtype, seed)
+
+
+def written(caches, write_kv, dtype, seed: int):
+    """``caches`` with random K/V written through ``write_kv`` at every slot, and the K/V written."""
     generator = torch.Generator().manual_seed(seed)
     slots = torch.arange(BLOCKS * BS)
     keys, values = (torch.randn(LAYERS, len(slots), HEADS, DIM, generator=generator).to(dtype) for _ in range(2))
@@ -252,13 +255,7 @@ def write_ascend(key, value, cache, slots):
 
 
 def ascend_filled(dtype, seed: int):
-    caches = ascend_caches(dtype)
-    generator = torch.Generator().manual_seed(seed)
-    slots = torch.arange(BLOCKS * BS)
-    keys, values = (torch.randn(LAYERS, len(slots), HEADS, DIM, generator=generator).to(dtype) for _ in range(2))
-    for cache, key, value in zip(caches, keys, values):
-        write_ascend(key, value, cache, slots)
-    return caches, keys, values
+    return written(ascend_caches(dtype), write_ascend, dtype, seed)
 
 
 def ascend_copier(caches, path: str) -> KVCopier:
