@@ -100,14 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("root", type=Path, help="a checkout of vllm-ascend (ROOT/vllm_ascend/...)")
     parser.add_argument("--commit", default=COMMIT, help="the commit checked out there")
     args = parser.parse_args(argv)
-    from graphchunk.contract.check import line, summary
+    from graphchunk.contract.check import report_recorded
 
     path, results = write_record(args.root, args.commit)
-    for result in results:
-        if not result.ok:
-            print(line(result))
-    print(f"vllm-ascend {args.commit[:8]}: {summary(results)}; recorded in {path}")
-    return 1 if any(not r.ok for r in results) else 0
+    return report_recorded(results, f"vllm-ascend {args.commit[:8]}", path)
 
 
 if __name__ == "__main__":

@@ -193,6 +193,16 @@ def line(result: Result) -> str:
     return f"FAIL {e.key}: {result.reason}  (used in {e.used_in}){scope}{flags}"
 
 
+def report_recorded(results: list[Result], subject: str, path: Path) -> int:
+    """A record writer's report (``record``, ``ascend``): each failing entry, the summary of
+    ``subject``'s record written to ``path``; the exit status (1 when any entry fails)."""
+    for result in results:
+        if not result.ok:
+            print(line(result))
+    print(f"{subject}: {summary(results)}; recorded in {path}")
+    return 1 if any(not r.ok for r in results) else 0
+
+
 def source_version(root: Path) -> str | None:
     """The version an unpacked vLLM tree names (``vllm/_version.py``)."""
     tree = SourceResolver(root).tree("vllm._version")

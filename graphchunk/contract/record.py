@@ -255,13 +255,9 @@ def main(argv: list[str] | None = None) -> int:
         wheel = args.wheel or download_wheel(args.version, Path(tmp))
         print(f"reading {wheel.name}", flush=True)
         path, results = write_record(args.version, wheel, unpack_sources(wheel, Path(tmp) / "src"), command)
-    from graphchunk.contract.check import line, summary
+    from graphchunk.contract.check import report_recorded
 
-    for result in results:
-        if not result.ok:
-            print(line(result))
-    print(f"vLLM {args.version}: {summary(results)}; recorded in {path}")
-    return 1 if any(not r.ok for r in results) else 0
+    return report_recorded(results, f"vLLM {args.version}", path)
 
 
 if __name__ == "__main__":
