@@ -41,10 +41,11 @@ class GraphChunkConfig:
     pool_tokens: int = 0
     """Chunk-pool budget in tokens of KV (rounded up to whole blocks), carved out of vLLM's KV cache.
     0: sized at start-up to half of the KV-cache budget vLLM resolved (``--kv-cache-memory-bytes`` or
-    ``--gpu-memory-utilization``), at least a sys prompt of max_model_len tokens and one chunk of
-    max_chunk_len, and logged; a set value that does not fit the budget is refused. A request's whole
-    context is held in the pool at once (isolated chunks each from their sys prompt's partial last
-    block): one that cannot fit the empty pool fails with an error naming this setting."""
+    ``--gpu-memory-utilization``; a quarter with host memory below it, ``host_bytes``), at least a sys
+    prompt of max_model_len tokens and one chunk of max_chunk_len, and logged; a set value that does
+    not fit the budget is refused. A request's whole context is held in the pool at once (isolated
+    chunks each from their sys prompt's partial last block): one that cannot fit the empty pool
+    fails with an error naming this setting."""
     eviction: str = DEFAULT_POLICY
     """Which unused pool entry is evicted first: 'gdsf' (hits x tokens per block, with aging), 'lfu'
     (hits, with aging) or 'lru' (``eviction.py``; measured in perf/results/eviction.json)."""

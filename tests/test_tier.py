@@ -345,17 +345,17 @@ def test_contextualized_entries_are_served_as_hf_computes_them_behind_their_cont
     assert "all 3 documents were written by an earlier run with these settings" in again.stdout
 
 
-def test_an_unset_pool_takes_half_of_the_kv_cache_budget_at_start_up(tiny, server_b):
+def test_an_unset_pool_over_host_memory_takes_a_quarter_of_the_kv_cache_budget_at_start_up(tiny, server_b):
     """The worker sizes the pool from the budget vLLM resolved (vLLM's own blocks are the rest:
-    ``determine_available_memory``)."""
+    ``determine_available_memory``): a quarter of it, server_b having host memory below its pool."""
     import transformers
 
-    from graphchunk.engine.worker import POOL_SHARE
+    from graphchunk.engine.worker import POOL_SHARE_OVER_HOST
 
     hf = transformers.AutoConfig.from_pretrained(tiny)
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     block_bytes = ENGINE["block_size"] * 2 * hf.num_hidden_layers * hf.num_key_value_heads * head_dim * 4  # fp32 K, V
-    assert server_b.stats()["pool_blocks_total"] == int(ENGINE["kv_cache_memory_bytes"] * POOL_SHARE) // block_bytes
+    assert server_b.stats()["pool_blocks_total"] == int(ENGINE["kv_cache_memory_bytes"] * POOL_SHARE_OVER_HOST) // block_bytes
 
 
 def test_two_live_servers_reuse_each_others_chunks(server_a, server_b, tiny_oracle):

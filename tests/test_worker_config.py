@@ -349,6 +349,7 @@ def test_the_cuda_worker_builds_the_chunk_runner_through_its_hook(monkeypatch):
 
 @pytest.mark.parametrize("pool_tokens, budget, expected, message", [
     (0, 100 * 4096, 50, None),              # unset: half the budget, in whole blocks
+    ((0, 1 << 30), 100 * 4096, 25, None),   # unset, host memory below the pool: a quarter
     (0, 100 * 4096 + 4095, 50, None),       # a partial block is not a block
     (0, 30 * 4096, 20, None),               # half is below what one unit of chunk work needs: the minimum
     (0, 20 * 4096, None, r"pool \(pool_tokens unset\) must hold .* 640 tokens, and needs 81920 bytes of KV cache "
@@ -359,7 +360,8 @@ def test_the_cuda_worker_builds_the_chunk_runner_through_its_hook(monkeypatch):
 def test_the_pool_is_sized_inside_the_kv_cache_budget(pool_tokens, budget, expected, message):
     from graphchunk.engine.worker import pool_blocks_in
 
-    config = GraphChunkConfig(pool_tokens=pool_tokens)
+    pool_tokens, host_bytes = pool_tokens if isinstance(pool_tokens, tuple) else (pool_tokens, 0)
+    config = GraphChunkConfig(pool_tokens=pool_tokens, host_bytes=host_bytes)
     size = lambda: pool_blocks_in(budget, 4096, 20, config, 32, "the budget")  # noqa: E731
     if message:
         with pytest.raises(ConfigError, match=message):

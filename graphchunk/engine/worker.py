@@ -181,6 +181,16 @@ def check_kv_cache_dtype(cache_config) -> None:
 
 POOL_SHARE = 0.5
 """The chunk pool's share of the KV-cache budget vLLM resolved, when ``pool_tokens`` is 0 (unset)."""
+POOL_SHARE_OVER_HOST = 0.25
+"""The same with host memory below the pool (``host_bytes``): the pool is the hot set, host memory
+gives back what it drops without a forward, and running requests keep the rest. Measured at a
+budget that binds (perf/results/sizing.json, docs/sizing.md): a pool of 0.25 over host memory ran
+13 requests at once and 2.62 requests/s, the pool of 0.5 9 and 2.41."""
+
+
+def pool_share(config: GraphChunkConfig) -> float:
+    """The pool's share of the KV-cache budget when ``pool_tokens`` is unset."""
+    return POOL_SHARE_OVER_HOST if config.host_bytes else POOL_SHARE
 
 
 def min_pool_blocks(vllm_config, config: GraphChunkConfig) -> int:
@@ -195,13 +205,13 @@ def min_pool_blocks(vllm_config, config: GraphChunkConfig) -> int:
 def pool_blocks_in(budget: int, block_bytes: int, min_blocks: int, config: GraphChunkConfig, block_size: int,
                    budget_name: str) -> int:
     """The pool's blocks out of a KV-cache budget of ``budget`` bytes: ``pool_tokens`` when set, else
-    ``POOL_SHARE`` of the budget and at least ``min_blocks``; refused when they leave vLLM nothing."""
+    ``pool_share`` of the budget and at least ``min_blocks``; refused when they leave vLLM nothing."""
     if config.pool_tokens:
         blocks = config.pool_blocks(block_size)
         what = f"graphchunk.pool_tokens={config.pool_tokens}"
         advice = "raise it, or lower pool_tokens"
     else:
-        blocks = max(min_blocks, int(budget * POOL_SHARE) // block_bytes)
+        blocks = max(min_blocks, int(budget * pool_share(config)) // block_bytes)
         what = (f"graphchunk's chunk pool (pool_tokens unset) must hold a sys prompt of max_model_len tokens and one "
                 f"chunk of max_chunk_len, {min_blocks * block_size} tokens, and")
         advice = "raise it, or lower --max-model-len or graphchunk.max_chunk_len"
