@@ -33,6 +33,7 @@ from graphchunk.engine.frontend import RequestAnnotator, one_tenant
 from graphchunk.engine.kv_binding import blend_prefix_tokens
 from graphchunk.engine.connector_stats import GraphChunkStats, take_stats
 from graphchunk.metrics import METRICS_FILE_ENV, WORKER_FIELDS, CacheMetrics, StatsReport
+from perf.common.vllm_scheduler import vllm_scheduler
 
 BLOCK = 16
 KV_BLOCKS = 48
@@ -349,30 +350,11 @@ def check_blocks(scheduler) -> bool:
 
 
 def make_vllm_scheduler(smollm2_path, gc: dict, asynchronous: bool = False):
-    from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
-    from vllm.utils.hashing import get_hash_fn_by_name
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-    from vllm.v1.structured_output import StructuredOutputManager
-
-    model = ModelConfig(model=str(smollm2_path), dtype="float32", max_model_len=1024)
-    config = VllmConfig(
-        model_config=model, cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
-        scheduler_config=SchedulerConfig(max_num_batched_tokens=BUDGET, max_num_seqs=6, max_model_len=1024,
-                                         is_encoder_decoder=False, enable_chunked_prefill=True),
-        kv_transfer_config=connector_config(None), additional_config={"graphchunk": gc})
-    config.cache_config.num_gpu_blocks = KV_BLOCKS
-    # As on a GPU: vLLM's CPU platform turns asynchronous scheduling off when the config is built.
-    config.scheduler_config.async_scheduling = asynchronous
-    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=16, dtype=torch.float32)
-    kv_cache_config = KVCacheConfig(num_blocks=KV_BLOCKS, kv_cache_tensors=[],
-                                    kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)])
-    hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
-    init_none_hash(hash_fn)
-    if asynchronous:
-        from vllm.v1.core.sched.async_scheduler import AsyncScheduler as Scheduler  # noqa: N814
-    scheduler = Scheduler(config, kv_cache_config, StructuredOutputManager(config), block_size=BLOCK, log_stats=True)
+    scheduler, config, hasher = vllm_scheduler(
+        smollm2_path, num_blocks=KV_BLOCKS, block_size=BLOCK, max_num_batched_tokens=BUDGET, max_num_seqs=6,
+        max_model_len=1024, kv_transfer_config=connector_config(None), additional_config={"graphchunk": gc},
+        asynchronous=asynchronous)
+    model = config.model_config
     assert scheduler.defer_block_free == asynchronous  # vLLM's deferred frees, as async_scheduling has them
     # As the workers tell it: blend_prefix tokenized by the model's tokenizer (kv_binding's own function).
     space = KeySpace("m", "f32", blend_prefix=blend_prefix_tokens(model, gc.get("blend_prefix", "")))
@@ -380,7 +362,7 @@ def make_vllm_scheduler(smollm2_path, gc: dict, asynchronous: bool = False):
     with mock.patch.dict(os.environ):
         os.environ.pop(METRICS_FILE_ENV, None)
         scheduler.connector.set_xfer_handshake_metadata({rank: GraphChunkHandshake(handshake) for rank in range(RANKS)})
-    return scheduler, handshake, get_request_block_hasher(BLOCK, hash_fn)
+    return scheduler, handshake, hasher
 
 
 class Stream:

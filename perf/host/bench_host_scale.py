@@ -62,6 +62,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from perf.common import harness as H
+from perf.common.vllm_scheduler import vllm_scheduler
 from perf.host.report import PHASES, acceptance, fit_slopes, phase_line, plot, summarize
 
 BLOCK = 16
@@ -304,35 +305,17 @@ class Setting:
         return self.running * -(-self.max_model_len // BLOCK) + self.running
 
     def _scheduler(self, model_path, running: int, max_model_len: int):
-        import torch
-        from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
-        from vllm.utils.hashing import get_hash_fn_by_name
-        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-        from vllm.v1.core.sched.scheduler import Scheduler
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-        from vllm.v1.structured_output import StructuredOutputManager
-
         from graphchunk.engine.connector import connector_config
 
         self.max_model_len = max_model_len
-        model = ModelConfig(model=str(model_path), dtype="float32", max_model_len=max_model_len)
-        self.model = model
         self.gc_settings = {"mode": self.mode, **dict(self.args.setting or [])} if self.mode else None
-        config = VllmConfig(
-            model_config=model, cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
-            scheduler_config=SchedulerConfig(max_num_batched_tokens=self.args.max_num_batched_tokens,
-                                             max_num_seqs=running, max_model_len=max_model_len,
-                                             is_encoder_decoder=False, enable_chunked_prefill=True),
-            kv_transfer_config=connector_config(None) if self.mode else None,
-            additional_config={"graphchunk": self.gc_settings} if self.mode else {})
-        config.cache_config.num_gpu_blocks = self.kv_blocks
-        spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=16, dtype=torch.float32)
-        kv_cache_config = KVCacheConfig(num_blocks=self.kv_blocks, kv_cache_tensors=[],
-                                        kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)])
-        hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
-        init_none_hash(hash_fn)
-        scheduler = Scheduler(config, kv_cache_config, StructuredOutputManager(config), block_size=BLOCK)
-        return scheduler, get_request_block_hasher(BLOCK, hash_fn)
+        scheduler, config, hasher = vllm_scheduler(
+            model_path, num_blocks=self.kv_blocks, block_size=BLOCK,
+            max_num_batched_tokens=self.args.max_num_batched_tokens, max_num_seqs=running,
+            max_model_len=max_model_len, kv_transfer_config=connector_config(None) if self.mode else None,
+            additional_config={"graphchunk": self.gc_settings} if self.mode else {}, log_stats=False)
+        self.model = config.model_config
+        return scheduler, hasher
 
     def _graphchunk(self, max_model_len: int) -> None:
         """The worker's engine and its handshake, as ``kv_binding.bind_engine`` builds them (pool
