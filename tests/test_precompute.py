@@ -240,3 +240,19 @@ def test_separator_format_sends_the_seeds_form_split_at_the_separator(tmp_path, 
     assert main(["--store", str(tmp_path / "s"), "--corpus", str(tmp_path / "docs.jsonl"), "--format", "separator",
                  "--separator", " "]) == 2
     assert "--separator must hold a non-whitespace character" in capsys.readouterr().err
+
+
+def test_separator_format_refuses_documents_the_server_would_not_cut_out(tmp_path, capsys):
+    """A document ending in a newline (or behind a sys that does) runs into the next segment in the
+    seeds' form: the separator after it begins a line, which the server's rule does not split at.
+    Refused, naming it, before an engine starts; the others' form is unaffected."""
+    from graphchunk.tools.precompute import unsplit
+
+    lines = [{"text": "a b"}, {"text": "ends a line\n"}, {"text": "c", "sys": "S\n"}, {"text": "x ## y"}]
+    groups = read_corpus(write(tmp_path, lines), "S", "isolated")
+    assert unsplit(groups, "##") == ["ends a line\n", "c"]
+    assert main(["--store", str(tmp_path / "s"), "--corpus", str(tmp_path / "docs.jsonl"), "--format", "separator",
+                 "--model", str(tmp_path / "no-model")]) == 2
+    err = capsys.readouterr().err
+    assert "2 documents would get no entry of their own" in err and "'ends a line\\n'" in err
+    assert unsplit(read_corpus(write(tmp_path, lines[:1] + lines[3:]), "", "isolated"), "##") == []

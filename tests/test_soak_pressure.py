@@ -1,7 +1,8 @@
-"""CI-sized soak under pool pressure (``perf/soak/pressure.py``): both modes through the server.
+"""CI-sized soak under pool pressure (``perf/soak/pressure.py``): its three modes through the server.
 
 The tiny Llama-llama3 checkpoint in fp32 (fast on two cores), one graphchunk server per mode
-(isolated; blend with recompute_ratio 1.0) whose chunk pool holds about two requests' contexts
+(isolated; blend with recompute_ratio 1.0; isolated with host memory below the pool, about four
+contexts, no directory: its host hits and drops asserted) whose chunk pool holds about two requests' contexts
 (the worker's start-up minimum) and whose vLLM KV cache holds 1.5 prompts of max_model_len, 8
 client threads replaying a seeded trace of request bodies over a few (sys prompt, document set)
 combinations with the documents reordered: token ids with explicit boundaries and separator
@@ -36,7 +37,7 @@ from perf.soak import pressure as soak_pressure
 pytestmark = pytest.mark.slow
 
 REQUESTS = 48
-ARGV = ["--model", "tiny-llama3", "--mode", "both", "--requests", str(REQUESTS), "--concurrency", "8",
+ARGV = ["--model", "tiny-llama3", "--mode", "all", "--requests", str(REQUESTS), "--concurrency", "8",
         "--docs", "16", "--combos", "8", "--batch-fraction", "0.25", "--salt-fraction", "0.3",
         "--abort-stream", "0.05", "--abort-prefill", "0.05", "--abort-nostream", "0.05",
         "--abort-misses", "0.1", "--abort-misses-window", "0.5", "--miss-budget", "32",
@@ -128,6 +129,17 @@ def test_the_pool_evicted_and_its_accounting_is_exact_when_idle(mode):
     assert mode["pool_blocks_leaked"] == 0, mode
     assert mode["kv_cache_usage_idle"] == 0, mode  # vLLM's blocks too: failed and cancelled requests'
     assert mode["engine"]["drained"] is True, mode["engine"]
+
+
+def test_host_memory_below_the_pool_served_evicted_entries_and_dropped_others(result):
+    """isolated-host: host memory alone below the pool (no directory), larger than the pool and
+    smaller than the trace's entries: evicted entries came back from it (their answers checked
+    with every other) and it dropped entries for room."""
+    host = result["modes"]["isolated-host"]
+    assert host["graphchunk_settings"]["host_bytes"] == result["pool"]["host_bytes"] > 0
+    assert "store_path" not in host["graphchunk_settings"]
+    assert host["tier_host_hits"] > 0 and host["tier_host_drops"] > 0, host["graphchunk_counters"]
+    assert host["invariants"]["host_hits_and_drops_happened"] is True
 
 
 def test_passed(result):

@@ -277,9 +277,10 @@ def test_host_tier_keeps_the_most_recently_used_within_its_budget():
     host.put(keys[2], TOKENS, "isolated", payload(seed=2))
     assert host.get(keys[1], TOKENS, "isolated", 2) is None
     assert host.get(keys[0], TOKENS, "isolated", 2) is not None and host.get(keys[2], TOKENS, "isolated", 2) is not None
-    assert host.metrics.tier_host_bytes == 2 * size
+    assert host.metrics.tier_host_bytes == 2 * size and host.metrics.tier_host_drops == 1
+    host.put(keys[2], TOKENS, "isolated", payload(seed=3))  # replaced in place: nothing dropped
     host.put(bytes(16), TOKENS, "isolated", payload(num_blocks=6))  # larger than the budget: not kept
-    assert host.metrics.tier_host_bytes == 2 * size
+    assert host.metrics.tier_host_bytes == 2 * size and host.metrics.tier_host_drops == 1
 
 
 def _forged(path, data: torch.Tensor) -> None:

@@ -42,6 +42,7 @@ class HostTier:
         self._remove(key)
         while self._bytes + size > self.budget:
             self._remove(next(iter(self._entries)))
+            self.metrics.tier_host_drops += 1
         if self.pin and not data.is_pinned():
             data = data.pin_memory()
         self._entries[key] = (tuple(tokens), mode, data)

@@ -144,6 +144,24 @@ def separator_prompts(sys_prompt: str, texts: list[str], separator: str = SEPARA
     return [text, text[1:]] if both_openings and not sys_prompt else [text]
 
 
+def unsplit(groups: dict[tuple[str, str], list[dict[str, str]]], separator: str = SEPARATOR) -> list[str]:
+    """The documents of ``groups`` that the server's own rule would not cut out of their
+    ``separator_prompts`` text (``segments``: a separator that is the first word of a line is
+    text): one whose last line is blank (it ends in a newline), or behind a sys that ends in one.
+    Such a document would run into its neighbour and get no entry of its own."""
+    from graphchunk.segments import _find_all
+
+    needle, bad = separator.strip(), []
+    for (sys_prompt, _), docs in groups.items():
+        for doc in docs:
+            text = separator_prompts(sys_prompt, [doc["text"]], separator)[0]
+            first = len(sys_prompt) + 1
+            cuts = {begin for begin, _ in _find_all(text, needle)}
+            if not {first, first + len(needle) + 2 + len(doc["text"])} <= cuts:
+                bad.append(doc["text"])
+    return bad
+
+
 def _run(llm, requests: list[tuple[str, list[dict[str, str]]]], params, form: str, progress: bool,
          separator: str = SEPARATOR, both_openings: bool = False) -> None:
     """One request per (sys prompt, documents), run together: a documents chat request (vLLM's
@@ -219,6 +237,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not groups:
         print(f"graphchunk-precompute: {args.corpus} holds no documents", file=sys.stderr)
+        return 2
+    lost = unsplit(groups, args.separator) if form == "separator" else []
+    if lost:
+        shown = "; ".join(repr(text[:40] + ("..." if len(text) > 40 else "")) for text in lost[:5])
+        print(f"graphchunk-precompute: {len(lost)} documents would get no entry of their own in the seeds' form: a "
+              f"separator that begins a line is not split at (the server's rule), and the one after each of these "
+              f"does (the document ends in a newline, or its sys does): {shown}; strip the trailing newlines "
+              f"(the server's requests must send the documents so too)", file=sys.stderr)
         return 2
     journal = todo = None
     if contexts is not None:

@@ -1,14 +1,18 @@
 """Soak under pool pressure: graphchunk's server with a chunk pool of about two requests' contexts,
 every completed answer checked token for token.
 
-    python -m perf.soak.pressure --mode isolated|blend-full|both [--model smollm2] [--requests 500] \
+    python -m perf.soak.pressure --mode isolated|blend-full|isolated-host|both|all [--model smollm2] [--requests 500] \
         [--concurrency 8] [--out perf/results/soak_pressure.json]
 
 For each mode one graphchunk server (``vllm serve`` through the soak's ``perf.common.server.Servers``;
 all started at once, the traffic one mode at a time):
 ``isolated`` runs ``"mode": "isolated"``, ``blend-full`` runs ``"mode": "blend"`` with
-``"recompute_ratio": 1.0`` (every chunk token recomputed: full prefill). No persistent tier, so
-an evicted entry is computed again. The chunk pool holds about ``--pool-contexts`` (2) of the
+``"recompute_ratio": 1.0`` (every chunk token recomputed: full prefill), both without a tier, so
+an evicted entry is computed again; ``isolated-host`` runs isolated with host memory below the pool
+(``host_bytes`` of about ``--host-contexts`` (4) mean contexts, no directory: more than the pool,
+less than the trace's entries), so an evicted entry comes back from host memory when it holds it
+and host memory drops entries for room (its hits and drops must both happen). ``both`` is the
+first two, ``all`` the three. The chunk pool holds about ``--pool-contexts`` (2) of the
 trace's mean request contexts (sys + documents), or the start-up minimum the worker enforces
 (``worker.min_pool_blocks``: max_model_len, one block, max_chunk_len) where that is larger;
 ``--max-model-len`` is derived from the longest prompt, so the minimum stays near two contexts.
@@ -49,7 +53,7 @@ injections stopped is planned again by the server), the counters read (evictions
 server stopped and its log scanned for error lines. Then every completed prompt is compared with
 its reference, token for token (HF transformers in fp32, ``graphchunk.reference.oracle``):
 
-* isolated: the isolated oracle (explicit 4D mask and positions); its answer does not depend on
+* isolated, isolated-host: the isolated oracle (explicit 4D mask and positions); its answer does not depend on
   the documents' order, so it is computed once per (sys, set of chunks, question) and cached; a
   mismatch is checked again against the oracle of the prompt's own order;
 * blend-full: the plain causal forward of the same token ids (``Oracle.causal_generate``: what
@@ -88,24 +92,29 @@ from perf.common.client import Dispatcher, Estimates, Outcome, client_threads, c
 from perf.common.server import KV_USAGE, LEAK_GAUGES, Servers
 from perf.common.trace import Item, build_corpus
 from perf.soak.fill_faults import EVERY_ENV, OFF_ENV, SEED_ENV
-from perf.soak.pressure_check import References, error_lines, fill_faults
+from perf.soak.pressure_check import ISOLATED_MODES, References, error_lines, fill_faults
 from perf.soak.pressure_trace import (PRESSURE_ACTIONS, Body, BodyClient, BodyEncoder, build_combos, build_trace,
                                       fresh_docs)
 
-MODES = ("isolated", "blend-full")
+MODES = ("isolated", "blend-full", "isolated-host")
+CHOICES = {"both": MODES[:2], "all": MODES, **{mode: (mode,) for mode in MODES}}
+"""``--mode``: the modes each choice runs."""
 COUNTERS = ("lookups", "hits", "misses", "evictions", "tokens_reused", "tokens_computed", "blend_lookups",
-            "blend_hits", "blend_misses", "blend_tokens_reused", "blend_tokens_recomputed")
+            "blend_hits", "blend_misses", "blend_tokens_reused", "blend_tokens_recomputed", "tier_hits",
+            "tier_host_hits", "tier_host_drops")
 
 
 # --- servers ----------------------------------------------------------------------------------
 
-def mode_settings(mode: str, args, pool_tokens: int, max_chunk_len: int) -> dict:
+def mode_settings(mode: str, args, pool_tokens: int, max_chunk_len: int, host_bytes: int = 0) -> dict:
     gc = {"pool_tokens": pool_tokens, "max_chunks": max(8, args.docs_per_request[1]), "max_chunk_len": max_chunk_len,
           "separator": "##"}  # the trace's text prompts use the seeds' form
     if args.miss_budget:
         gc["miss_budget"] = args.miss_budget
-    if mode == "isolated":
+    if mode in ISOLATED_MODES:
         gc["mode"] = "isolated"
+        if mode == "isolated-host":
+            gc["host_bytes"] = host_bytes
     else:
         gc.update(mode="blend", recompute_ratio=1.0)
     if args.eviction:
@@ -154,6 +163,7 @@ class PressureSoak:
         per_token = H.kv_bytes_per_token(self.model_path, args.dtype)
         self.vllm_kv_tokens = cdiv(int(args.vllm_kv_seqs * self.max_model_len), bs) * bs
         self.kv_cache_bytes = args.kv_cache_bytes or (cdiv(self.pool_tokens, bs) * bs + self.vllm_kv_tokens) * per_token
+        self.host_bytes = cdiv(int(args.host_contexts * self.mean_context), bs) * bs * per_token  # whole blocks
         self.log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="graphchunk-soak-pressure-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         flags = argparse.Namespace(**{**vars(args), "kv_cache_bytes": self.kv_cache_bytes,
@@ -165,7 +175,7 @@ class PressureSoak:
         """Starts the mode's server without waiting for it."""
         a = self.args
         port = free_port()
-        settings = mode_settings(mode, a, self.pool_tokens, self.max_chunk_len)
+        settings = mode_settings(mode, a, self.pool_tokens, self.max_chunk_len, self.host_bytes)
         worker, env = "graphchunk.Runner", None
         faults_off = self.log_dir / f"faults-off-{mode}"
         if a.fail_fill_every > 0:  # graphchunk's worker that poisons pool entries (the repository on the path)
@@ -312,6 +322,8 @@ class PressureSoak:
             "kv_cache_given_back": leaks.get(KV_USAGE) == 0,
             "nothing_left_waiting": after.get("drained") is True,
             "evictions_happened": counters["evictions"] > 0,
+            **({"host_hits_and_drops_happened": counters["tier_host_hits"] > 0 and counters["tier_host_drops"] > 0}
+               if "host_bytes" in settings else {}),
             "server_alive_after": died is None and after.get("health") == 200 and final_verdict in ("equal", "tie"),
             "no_server_error_lines": server_errors["count"] == 0,
         }
@@ -337,6 +349,8 @@ class PressureSoak:
             "evictions": counters["evictions"],
             "hits": counters["hits"],
             "misses": counters["misses"],
+            "tier_host_hits": counters["tier_host_hits"],
+            "tier_host_drops": counters["tier_host_drops"],
             "hit_rate": H.ratio(counters["hits"], counters["lookups"]),
             "vllm_preemptions": int(m.get("vllm:num_preemptions_total", 0)),
             "pool_refs_held": refs_held,
@@ -400,6 +414,7 @@ class PressureSoak:
                      "mean_context_tokens": round(self.mean_context, 1),
                      "pool_over_mean_context": round(self.pool_tokens / self.mean_context, 2),
                      "vllm_kv_tokens": self.vllm_kv_tokens, "kv_cache_bytes": self.kv_cache_bytes,
+                     "host_bytes": self.host_bytes if "isolated-host" in modes else None,
                      "max_model_len": self.max_model_len, "max_chunk_len": self.max_chunk_len},
             "trace": {"bodies": len(self.trace), "prompts": sum(len(b.prompts) for b in self.trace),
                       "combos": len(self.combos), "documents": len(self.corpus.docs),
@@ -415,7 +430,8 @@ class PressureSoak:
 
 
 SUMMARY = ("passed", "requests", "completed", "aborted", "errors", "wrong", "near_ties", "checked",
-           "batched_bodies", "evictions", "hits", "misses", "vllm_preemptions", "pool_refs_held",
+           "batched_bodies", "evictions", "hits", "misses", "tier_host_hits", "tier_host_drops", "vllm_preemptions",
+           "pool_refs_held",
            "pool_blocks_leaked", "kv_cache_usage_idle", "loads_dropped", "entries_failed", "wall_s")
 
 
@@ -424,7 +440,7 @@ SUMMARY = ("passed", "requests", "completed", "aborted", "errors", "wrong", "nea
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="perf/soak/pressure.py", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--mode", choices=(*MODES, "both"), default="both")
+    p.add_argument("--mode", choices=tuple(CHOICES), default="both")
     g = p.add_argument_group("model and server")
     g.add_argument("--model", default="smollm2", help="smollm2, tiny-llama3 (tiny-qwen2, tiny-qwen3) or a path")
     g.add_argument("--dtype", default="float32")
@@ -435,6 +451,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pool-tokens", type=int, default=0, help="0: --pool-contexts mean contexts, at least the "
                    "worker's start-up minimum")
     g.add_argument("--pool-contexts", type=float, default=2.0)
+    g.add_argument("--host-contexts", type=float, default=4.0,
+                   help="isolated-host: host memory below the pool in mean contexts (whole blocks of KV)")
     g.add_argument("--vllm-kv-seqs", type=float, default=1.5,
                    help="vLLM's own KV cache (beside the pool) in prompts of max_model_len")
     g.add_argument("--kv-cache-bytes", type=int, default=0, help="0: the pool plus --vllm-kv-seqs")
@@ -479,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     H.script_env()
-    modes = list(MODES) if args.mode == "both" else [args.mode]
+    modes = list(CHOICES[args.mode])
     result = PressureSoak(args).run(modes, H.command_line(__file__, argv))
     H.write_json(args.out, result)
     print(json.dumps({mode: {k: r[k] for k in SUMMARY} for mode, r in result["modes"].items()}, indent=1))

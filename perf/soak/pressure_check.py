@@ -20,6 +20,10 @@ from perf.common.trace import Encoder, Item
 from perf.soak.check import _prompt
 from perf.soak.fill_faults import INJECTED
 
+ISOLATED_MODES = ("isolated", "isolated-host")
+"""The soak's modes whose answers are isolated mode's (the masked oracle's); the others' are a causal
+prefill's."""
+
 ERROR_LINE = re.compile(r"\b(ERROR|CRITICAL|Traceback|Exception|EngineDeadError|AssertionError)\b")
 FILL_FAILED = re.compile(r"a context fill of request \S+ would copy pool blocks .*? \(epochs (\[[^\]]*\]), "
                          r"found (\[.*\])\); it is planned again")
@@ -97,7 +101,7 @@ class References:
             if prompt_ids is not None and list(prompt_ids) != list(ids):
                 return {"verdict": "wrong", "why": "the server saw another prompt"}
             got = list(got or [])
-            if mode == "isolated":
+            if mode in ISOLATED_MODES:
                 return self._isolated(ids, layout, got)
             return self._full(ids, got)
         finally:
