@@ -20,7 +20,7 @@ import json
 import pytest
 
 from inprocess import run_main
-from perf.serving import bench_serve
+from perf.serving import bench_serve, serve_report
 
 pytestmark = pytest.mark.slow
 
@@ -119,7 +119,8 @@ def test_a_kind_takes_a_pool_share_and_a_host_level(tokenizer):
     """``KIND/pool=SHARE/host=BYTES``: the pool's tokens at that share and ``host_bytes`` in the
     server's graphchunk settings (no directory); bad options are refused."""
     from perf.common import harness as H
-    from perf.serving.bench_serve import QUICK, build_parser, kind_options, pool_tokens_at, server_settings, settings_of
+    from perf.serving.bench_serve import QUICK, build_parser, server_settings
+    from perf.serving.serve_kinds import kind_options, pool_tokens_at, settings_of
 
     from graphchunk.config import GraphChunkConfig
 
@@ -185,7 +186,7 @@ def test_every_check_passed(result):
 
 def test_a_blend_kind_names_its_recompute_policy():
     """``blend:POLICY`` serves blend with that policy as the deployment's default; a bad one is refused."""
-    from perf.serving.bench_serve import on_corpus, settings_of, tenant_of
+    from perf.serving.serve_kinds import on_corpus, settings_of, tenant_of
 
     from graphchunk.config import GraphChunkConfig
 
@@ -217,7 +218,7 @@ def test_documents_arrived_allows_only_full_prefilled_requests_documents_unlooke
         return {"num_prompts": 64, "concurrency": concurrency,
                 "cache": {"documents_sent": 320, "chunk_lookups": lookups, "blend_full_prefills": full_prefills}}
 
-    assert bench_serve.documents_arrived(row(320, 0)) and bench_serve.documents_arrived(row(330, 0))
-    assert bench_serve.documents_arrived(row(315, 1)) and not bench_serve.documents_arrived(row(315, 0))
-    assert not bench_serve.documents_arrived(row(310, 1))
-    assert not bench_serve.documents_arrived(row(330, 0, concurrency=1))
+    assert serve_report.documents_arrived(row(320, 0)) and serve_report.documents_arrived(row(330, 0))
+    assert serve_report.documents_arrived(row(315, 1)) and not serve_report.documents_arrived(row(315, 0))
+    assert not serve_report.documents_arrived(row(310, 1))
+    assert not serve_report.documents_arrived(row(330, 0, concurrency=1))
