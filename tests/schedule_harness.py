@@ -334,18 +334,22 @@ def accounting(scheduler) -> tuple[int, list, set]:
             set(scheduler.finished_recving_kv_req_ids))
 
 
-def check_blocks(scheduler) -> bool:
-    """vLLM's block accounting holds: each block's reference count is the number of requests vLLM
-    still holds that hold it (a block shared through its prefix cache counts each) plus its
-    deferred frees, and vLLM's free queue holds exactly the blocks counted by nobody."""
+def check_blocks(scheduler, num_blocks: int = KV_BLOCKS) -> bool:
+    """vLLM's block accounting holds: each of its ``num_blocks`` blocks' reference count is the
+    number of requests vLLM still holds that hold it (a block shared through its prefix cache counts
+    each) plus its deferred frees, and vLLM's free queue holds exactly the blocks counted by nobody,
+    never a block of another owner (an id from ``num_blocks`` on: the chunk pool's)."""
     manager = scheduler.kv_cache_manager
-    counts = collections.Counter(block for req_id in scheduler.requests for block in manager.get_block_ids(req_id)[0])
+    counts = collections.Counter(block for req_id in scheduler.requests for block in manager.get_block_ids(req_id)[0]
+                                 if block < num_blocks)
     counts.update(block.block_id for _, blocks in scheduler.deferred_frees for block in blocks)
     pool = manager.block_pool
     wrong = {block.block_id: (block.ref_cnt, counts[block.block_id]) for block in pool.blocks[1:]
              if block.ref_cnt != counts[block.block_id]}
     assert not wrong, f"vLLM's blocks (reference count, holders + deferred frees): {wrong}"
-    assert pool.get_num_free_blocks() == KV_BLOCKS - 1 - len(counts), "vLLM's free queue"
+    assert pool.get_num_free_blocks() == num_blocks - 1 - len(counts), "vLLM's free queue"
+    assert all(b.block_id < num_blocks for b in pool.free_block_queue.get_all_free_blocks()), \
+        "a block of another owner is in vLLM's free queue"
     return True
 
 

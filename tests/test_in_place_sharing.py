@@ -17,6 +17,7 @@ import random
 
 from perf.host import bench_in_place as B
 from perf.host.in_place import Owner, in_place_patch
+from schedule_harness import check_blocks
 
 BLOCK = 16
 OWN = 24
@@ -29,14 +30,9 @@ STEPS = 220
 def check(scheduler, owner: Owner, docs: dict) -> None:
     manager = scheduler.kv_cache_manager
     pool = manager.block_pool
+    check_blocks(scheduler, OWN)
     tables = {r: manager.get_block_ids(r)[0] for r in scheduler.requests}
     holders = collections.Counter(b for ids in tables.values() for b in ids)
-    mine = {b: n for b, n in holders.items() if b < OWN}
-    wrong = {b.block_id: (b.ref_cnt, mine.get(b.block_id, 0)) for b in pool.blocks[1:]
-             if b.ref_cnt != mine.get(b.block_id, 0)}
-    assert not wrong, f"vLLM's blocks (reference count, requests holding it): {wrong}"
-    assert pool.get_num_free_blocks() == OWN - 1 - len(mine), "vLLM's free queue"
-    assert all(b.block_id < OWN for b in pool.free_block_queue.get_all_free_blocks()), "a pool block is in vLLM's free queue"
     assert +owner.refs == collections.Counter({b: n for b, n in holders.items() if b >= OWN}), \
         "the pool's holds are not the requests naming its blocks"
     cached = [b for blocks in pool.cached_block_hash_to_block._cache.values()

@@ -69,15 +69,14 @@ def in_place_patch():
         req_blocks = self.req_to_blocks[request_id]
         end = -(-(num_local_computed_tokens + num_external_computed_tokens) // self.block_size)
         indices = range(len(req_blocks), end)
-        fresh = iter(self.block_pool.get_new_blocks(sum(1 for i in indices if i not in supply)))
-        placed = [supply[i] if i in supply else next(fresh) for i in indices]
-        req_blocks.extend(placed)
-        mine = [b for b in placed if not _foreign(self.block_pool, b)]
+        fresh = self.block_pool.get_new_blocks(sum(1 for i in indices if i not in supply))
+        taken = iter(fresh)
+        req_blocks.extend(supply[i] if i in supply else next(taken) for i in indices)
         if self._record_new_block_ids and record_for_zeroing:
-            self.new_block_ids.extend(b.block_id for b in mine)
-        for block in placed:
-            if _foreign(self.block_pool, block):
-                block.pool.hold(block)
+            self.new_block_ids.extend(b.block_id for b in fresh)
+        for i in indices:
+            if i in supply:
+                supply[i].pool.hold(supply[i])
 
     def cache_full_blocks(self, request, blocks, num_cached_blocks, num_full_blocks, block_size, kv_cache_group_id,
                           block_mask=None):
