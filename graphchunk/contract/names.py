@@ -728,9 +728,10 @@ def _entries() -> tuple[Name, ...]:
     add(n("vllm.v1.engine.core", "EngineCore.resume_scheduler", "call", "tests/test_templates.py", "", (),
           scope=T))
     RS = "tests/schedule_harness.py"
-    add(n("vllm.v1.core.sched.async_scheduler", "AsyncScheduler", "import", RS, "", scope=T))
-    add(n("vllm.v1.core.sched.output", "SchedulerOutput.preempted_req_ids", "field", "tests/test_schedule_random.py",
-          "", scope=T))
+    add(n("vllm.v1.core.sched.async_scheduler", "AsyncScheduler", "import", "perf/common/vllm_scheduler.py", "",
+          scope=T))
+    add(n("vllm.v1.core.sched.output", "SchedulerOutput.preempted_req_ids", "field",
+          "tests/test_schedule_random.py, tests/test_in_place_sharing.py, perf/host/bench_in_place.py", "", scope=T))
     add(n("vllm.v1.request", "Request.all_token_ids", "attribute", RS, "", scope=T))
     add(n("vllm.v1.core.kv_cache_manager", "KVCacheManager.get_block_ids", "call",
           f"graphchunk/engine/fill_retry.py, {RS}", "which running or loading requests hold a failed fill's blocks "
@@ -752,6 +753,13 @@ def _entries() -> tuple[Name, ...]:
           scope=T))
     for attr in ("ref_cnt", "block_hash", "prev_free_block", "next_free_block"):
         add(n("vllm.v1.core.kv_cache_utils", f"KVCacheBlock.{attr}", "attribute", IPP, "", scope=T))
+    # vLLM's accounting under the in-place patch (tests/test_in_place_sharing.py, schedule_harness.check_blocks)
+    IPS = "tests/test_in_place_sharing.py"
+    add(n("vllm.v1.core.block_pool", "BlockPool.free_block_queue", "attribute", f"{RS}, {IPS}", "", scope=T))
+    add(n("vllm.v1.core.kv_cache_utils", "FreeKVCacheBlockQueue.get_all_free_blocks", "call", f"{RS}, {IPS}", "", (),
+          scope=T))
+    add(n("vllm.v1.core.block_pool", "BlockPool.cached_block_hash_to_block", "attribute", IPS, "", scope=T))
+    add(n("vllm.v1.core.block_pool", "BlockHashToBlockMap._cache", "attribute", IPS, "", scope=T))
     add(n("vllm.v1.core.sched.scheduler", "Scheduler.finished_recving_kv_req_ids", "attribute", RS, "", scope=T))
     add(n("vllm.v1.core.sched.scheduler", "Scheduler.finish_requests", "call", RS, "",
           ("request_ids", "finished_status"), scope=T))
@@ -775,6 +783,26 @@ def _entries() -> tuple[Name, ...]:
     for attr in ("chat_messages", "request_overrides"):  # what the patched sample sets on each request
         add(n("vllm.benchmarks.datasets.datasets", f"SampleRequest.{attr}", "field", "perf/serving/bench_serve.py", scope=P))
     add(n("vllm.benchmarks.datasets.datasets", "CustomDataset.data", "attribute", "perf/serving/bench_serve.py", scope=P))
+    # the vLLM change that would share documents in place, as a test-only patch (docs/architecture.md)
+    IP, STM = "perf/host/in_place.py", "vllm.v1.core.single_type_kv_cache_manager"
+    WHY_IP = "measures a vLLM change (documents shared in place) that no interface allows"
+    for name in ("FullAttentionManager", "SingleTypeKVCacheManager"):
+        add(n(STM, name, "import", IP, "", scope=P))
+    add(n(STM, "SingleTypeKVCacheManager.get_num_blocks_to_allocate", "patch", IP, WHY_IP,
+          ("request_id", "num_tokens", "new_computed_blocks", "..."), scope=P))
+    add(n(STM, "SingleTypeKVCacheManager.allocate_external_computed_blocks", "patch", IP, WHY_IP,
+          ("request_id", "num_local_computed_tokens", "num_external_computed_tokens", "record_for_zeroing"), scope=P))
+    add(n("vllm.v1.core.block_pool", "BlockPool.cache_full_blocks", "patch", IP, WHY_IP,
+          ("request", "blocks", "num_cached_blocks", "num_full_blocks", "block_size", "kv_cache_group_id",
+           "block_mask"), scope=P))
+    add(n("vllm.v1.core.block_pool", "BlockPool.cache_partial_block", "patch", IP, WHY_IP, ("request", "block", "..."),
+          scope=P))
+    for attr in ("num_cached_block", "req_to_blocks", "block_size", "block_pool", "_record_new_block_ids",
+                 "new_block_ids"):
+        add(n(STM, f"SingleTypeKVCacheManager.{attr}", "attribute", IP, "", scope=P))
+    add(n("vllm.v1.core.kv_cache_utils", "KVCacheBlock.pool", "attribute", IP, "", scope=P))
+    add(n("vllm.v1.core.block_pool", "BlockPool.num_gpu_blocks", "attribute", "perf/host/bench_in_place.py", "",
+          scope=P))
     return tuple(entries)
 
 
