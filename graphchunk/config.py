@@ -107,7 +107,8 @@ class GraphChunkConfig:
     host_bytes: int = 0
     """Budget of the tier's host-memory level (``cache/host_tier.py``; pinned on CUDA): every entry
     computed into the pool (or loaded from ``store_path``) is kept there too, least recently used
-    dropped first, and a pool miss it holds is a copy instead of a forward. Alone (no
+    dropped first, and a chunk missing from the pool that it holds is copied into the request in
+    one copy (no pool block) instead of computed. Alone (no
     ``store_path``) nothing leaves the process, and the pool (``pool_tokens``) is the device's hot
     set in front of it. 0: none."""
     miss_budget: int = 512

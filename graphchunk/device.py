@@ -60,6 +60,15 @@ class KVDevice(Protocol):
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """Whole blocks of every layer on the host (the persistent tier's payload)."""
 
+    def read_slots(self, slots: np.ndarray) -> torch.Tensor:
+        """Every layer's K and V of ``slots`` on the host, [layers, 2, n, heads, head_size] (host
+        memory's payload)."""
+
+    def write_slots(self, data: torch.Tensor, dst_slots: np.ndarray, key_temperature: float = 1.0,
+                    deltas: np.ndarray | None = None) -> None:
+        """Inverse of ``read_slots`` into ``dst_slots``, keys divided by ``key_temperature`` or, given
+        ``deltas``, moved that many positions further, as ``copy_slots`` and ``copy_slots_rotated``."""
+
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         """Inverse of ``read_blocks``."""
 

@@ -24,7 +24,6 @@ import torch
 from graphchunk.cache.context_run import POISONED, ContextRunner
 from graphchunk.cache.host_tier import HostTier
 from graphchunk.cache.keys import KeySpace
-from graphchunk.cache.tier import Tier
 from graphchunk.config import GraphChunkConfig
 from graphchunk.engine.chunk_engine import ChunkEngine
 from graphchunk.engine.connector import GraphChunkHandshake, GraphChunkWorkerMeta, connector_config, work_of
@@ -105,9 +104,27 @@ class ContentDevice:
     def copy_slots_rotated(self, src, dst, deltas):
         values = [self.kv.get(s) for s in src.tolist()]
         for d, value, delta in zip(dst.tolist(), values, deltas.tolist()):
-            if value is not None and value[0] == "vllm":  # vLLM's forward's KV (a capture): at its position
-                value = (value[1], len(value[1]) - 1)
-            self.kv[d] = None if value is None else (value[0], value[1] + delta)
+            self.kv[d] = _rotated(value, delta)
+
+    def read_slots(self, slots):
+        """The slots' KV as a host tensor, shaped as ``KVCopier.read_slots`` gives it ([1 layer, 1,
+        slots, 1, 1], what host memory keeps): each element names its slot's KV in ``payloads``."""
+        first = len(self.payloads)
+        self.payloads += [self.kv.get(s) for s in slots.tolist()]
+        return torch.arange(first, len(self.payloads)).reshape(1, 1, -1, 1, 1)
+
+    def write_slots(self, data, dst, key_temperature=1.0, deltas=None):
+        values = [self.payloads[name] for name in data.reshape(-1).tolist()]
+        moves = deltas.tolist() if deltas is not None else [None] * len(values)
+        for d, value, delta in zip(dst.tolist(), values, moves, strict=True):
+            self.kv[d] = value if delta is None else _rotated(value, delta)
+
+
+def _rotated(value, delta: int):
+    """Fake KV moved ``delta`` positions further (vLLM's forward's KV, a capture's, is at its own position)."""
+    if value is not None and value[0] == "vllm":
+        value = (value[1], len(value[1]) - 1)
+    return None if value is None else (value[0], value[1] + delta)
 
 
 def expected(request, t: int, prefix: tuple[int, ...] = ()) -> set:
@@ -142,16 +159,16 @@ def in_context(request, t: int, got) -> bool:
 
 class Workers:
     """Two tensor-parallel ranks of graphchunk's worker engine, each over its own fake device; with
-    ``host_bytes``, each over its own host-memory tier level (the ranks see the same jobs in the same
-    order, so their levels hold the same entries: ``all_ranks`` is not played)."""
+    ``host_bytes``, each over its own host memory (the ranks run the same jobs and drops in the same
+    order, so they hold the same payloads: ``all_ranks`` is not played)."""
 
     def __init__(self, config: GraphChunkConfig, handshake: PoolHandshake, rng: random.Random):
         self.rng, self.config, self.prefix = rng, config, handshake.space.blend_prefix
         self.engines = []
         for _ in range(RANKS):
             metrics = CacheMetrics()
-            tier = Tier(HostTier(config.host_bytes, metrics), None, metrics) if config.host_bytes else None
-            runner = ContextRunner(BLOCK, BUDGET, metrics, tier=tier)
+            host = HostTier(config.host_bytes, metrics) if config.host_bytes else None
+            runner = ContextRunner(BLOCK, BUDGET, metrics, host=host)
             stats = StatsReport(runner.metrics, WORKER_FIELDS) if not self.engines else None  # rank 0 reports
             self.engines.append(ChunkEngine(config, runner.metrics, runner, ContentDevice(), handshake, BUDGET,
                                             report=stats))
@@ -362,7 +379,8 @@ def make_vllm_scheduler(smollm2_path, gc: dict, asynchronous: bool = False):
     assert scheduler.defer_block_free == asynchronous  # vLLM's deferred frees, as async_scheduling has them
     # As the workers tell it: blend_prefix tokenized by the model's tokenizer (kv_binding's own function).
     space = KeySpace("m", "f32", blend_prefix=blend_prefix_tokens(model, gc.get("blend_prefix", "")))
-    handshake = PoolHandshake(KV_BLOCKS, POOL_BLOCKS, BLOCK, space, None, None)
+    # Host memory's tokens as the workers count them: the fake device names a slot's KV in 8 bytes.
+    handshake = PoolHandshake(KV_BLOCKS, POOL_BLOCKS, BLOCK, space, None, None, gc.get("host_bytes", 0) // 8)
     with mock.patch.dict(os.environ):
         os.environ.pop(METRICS_FILE_ENV, None)
         scheduler.connector.set_xfer_handshake_metadata({rank: GraphChunkHandshake(handshake) for rank in range(RANKS)})

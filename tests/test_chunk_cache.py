@@ -12,7 +12,6 @@ from graphchunk.cache.chunk_cache import ChunkCache, PseudoSeq, ScheduledPrompt,
 from graphchunk.cache.host_tier import HostTier
 from graphchunk.cache.keys import KeySpace
 from graphchunk.cache.pool import ChunkPool, PoolExhausted
-from graphchunk.cache.tier import Tier
 from graphchunk.metrics import COUNTERS, CacheMetrics
 from graphchunk.segments import split_at
 
@@ -57,6 +56,20 @@ class FakeDevice:
     def write_blocks(self, block_ids, data):
         for slot, value in zip([b * BS + o for b in block_ids for o in range(BS)], data, strict=True):
             self.kv[slot] = value
+
+    def read_slots(self, slots):
+        """The slots' fake KV as host memory keeps it, a tensor shaped as ``KVCopier.read_slots``
+        gives it ([1 layer, 1, slots, 1, 1]): each element names its slot's KV in ``table``."""
+        self.table = getattr(self, "table", [])
+        first = len(self.table)
+        self.table += [self.kv.get(slot) for slot in slots.tolist()]
+        return torch.arange(first, len(self.table)).reshape(1, 1, -1, 1, 1)
+
+    def write_slots(self, data, dst, key_temperature=1.0, deltas=None):
+        assert deltas is None, "isolated only"
+        for slot, name in zip(dst.tolist(), data.reshape(-1).tolist(), strict=True):
+            self.kv[slot] = self.table[name]
+            self.temperatures[slot] = key_temperature
 
 
 class FakeTier:
@@ -339,38 +352,23 @@ def run_trace(cc, device, picks, after_each=lambda: None) -> set[int]:
     return {d for pick in picks for d in pick}
 
 
-class PayloadDevice(FakeDevice):
-    """A ``FakeDevice`` whose block reads are tensors, as ``KVCopier.read_blocks`` gives them
-    ([1 layer, blocks, block_size]), for the real host-memory level: each element names the slot's
-    fake KV in a table the device keeps (a copy of the payload is a copy of the names)."""
-
-    def __init__(self):
-        super().__init__()
-        self.table = [None]
-
-    def read_blocks(self, block_ids):
-        self.table += super().read_blocks(block_ids)
-        first = len(self.table) - len(block_ids) * BS
-        return torch.arange(first, len(self.table)).reshape(1, len(block_ids), BS)
-
-    def write_blocks(self, block_ids, data):
-        super().write_blocks(block_ids, [self.table[i] for i in data.reshape(-1).tolist()])
-
-
 @settings(max_examples=30, deadline=None)
 @given(picks=st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=3, unique=True), min_size=2, max_size=8),
        pools=st.integers(6, 10), host_entries=st.sampled_from([2, 100]))
 def test_small_pool_over_host_memory_alone(picks, pools, host_entries):
     """host_bytes without store_path: entries evicted from the pool come back from host memory,
     every context exact; with room for every entry each is computed once, and every load is a host
-    hit; with room for about two, host memory drops the least recently used and keeps to its budget."""
-    device, metrics = PayloadDevice(), CacheMetrics()
-    budget = host_entries * 3 * BS * 8  # entries of up to 3 blocks, 8-byte names
+    hit; with room for about two, host memory drops the least recently used and keeps to its budget,
+    and the workers' payloads are exactly what the scheduler's index holds."""
+    device, metrics = FakeDevice(), CacheMetrics()
+    budget = host_entries * 10 * 8  # entries of up to 10 tokens, 8-byte names
     cc = ChunkCache(ChunkPool(pools, BS, first_block_id=1000, metrics=metrics), KeySpace("m", "f32"), 1000,
-                    tier=Tier(HostTier(budget, metrics), None, metrics))
+                    host=HostTier(budget, metrics), host_tokens=budget // 8)
 
     def within_budget():
         assert metrics.tier_host_bytes <= budget
+        cc.planner.host.check_invariants()
+        assert set(cc.runner.host._payloads) == set(cc.planner.host._live) - set(cc.planner.host._drops)
 
     distinct = run_trace(cc, device, picks, within_budget)
     assert metrics.tier_loads == metrics.tier_host_hits and metrics.lookups == metrics.hits + metrics.tier_hits + \
@@ -384,9 +382,9 @@ def test_an_entry_evicted_from_the_pool_is_served_from_host_memory():
     """The same request twice through a pool that holds one context: the second finds its chunks
     evicted by a request in between and loads them from host memory, computing nothing."""
     a, b = make_prompt(3, [5, 7]), make_prompt(3, [6, 6], base=50)
-    device, metrics = PayloadDevice(), CacheMetrics()
+    device, metrics = FakeDevice(), CacheMetrics()
     cc = ChunkCache(ChunkPool(6, BS, first_block_id=1000, metrics=metrics), KeySpace("m", "f32"), 1000,
-                    tier=Tier(HostTier(1 << 20, metrics), None, metrics))
+                    host=HostTier(1 << 20, metrics), host_tokens=1 << 17)
     for i, seg in enumerate([a, b, a]):
         prompt = ScheduledPrompt(seg, None, 0, seg.layout.num_tokens, request_blocks(100 * i, seg))
         computed = device.forward_tokens
@@ -394,6 +392,10 @@ def test_an_entry_evicted_from_the_pool_is_served_from_host_memory():
         check_context(device, prompt)
     assert device.forward_tokens == computed and metrics.evictions > 0
     assert (metrics.tier_hits, metrics.misses) == (2, 4) and metrics.tier_host_hits == metrics.tier_loads >= 2
+    # One copy: the chunks came from host memory into the request's slots, taking no pool block
+    # (the sys prompt, which chunk jobs read from the pool, was loaded into it).
+    assert not any(cc.pool.contains(*cc.planner._identity(a, None, "isolated", i)) for i in range(2))
+    assert cc.pool.contains(*cc.planner._identity(a, None, "isolated", None))
 
 
 # --- the epoch check: a copy reads only what it planned (context_run.py) ------------------------

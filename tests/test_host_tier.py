@@ -1,7 +1,8 @@
-"""The tier's host-memory level alone (``host_bytes``, no ``store_path``) in a real engine: a pool
+"""Host memory alone below the pool (``host_bytes``, no ``store_path``) in a real engine: a pool
 that holds one context at a time evicts a request's chunks, and the next request over them finds
-them in host memory (tier hits, nothing computed but the question), its answer equal to the HF
-oracle's.
+them in host memory (tier hits, nothing computed but the question), copied from there into its own
+slots without a pool block, its answer equal to the HF oracle's (isolated: the masked reference;
+blend: LegoLink's, the chunks' keys moved to where they land on the way).
 
 Tiny Llama-llama3 checkpoint in fp32, one ``GraphChunkLLM``; short prompts whose chunk entries take
 two pool blocks each (the sys prompt fills most of its block), so that the pool's seven blocks hold
@@ -13,7 +14,8 @@ import pytest
 import torch
 
 import engines
-from exactness import LIMITS, assert_matches_oracle, sampling
+from exactness import LIMITS, assert_matches_oracle, assert_matches_reference, blend_reference, sampling
+from graphchunk.config import GraphChunkConfig
 from graphchunk.cache.context_plan import context_blocks
 from graphchunk.llm import RagPrompt
 from graphchunk.reference import models
@@ -53,18 +55,28 @@ def tiny_oracle():
     return Oracle(str(models.tiny_checkpoint("llama3")), dtype=torch.float32)
 
 
+LEGOLINK = {"graphchunk_mode": "blend", "graphchunk_recompute": "legolink"}
+
+
 def run(llm, oracle, prompt: RagPrompt, blocks: int) -> dict[str, float]:
     """Generates ``prompt`` (its context taking ``blocks`` pool blocks), checks it against the
-    isolated-mode oracle, returns how the counters moved."""
+    oracle (isolated: the masked reference; blend: LegoLink's at the default token count), returns
+    how the counters moved."""
     ids, boundaries = llm.encode(prompt)
     seg = split_at(ids, boundaries, **LIMITS)
-    assert context_blocks(seg, "isolated", BLOCK) == blocks, "the prompts no longer take the blocks planned"
+    blend = prompt.extra.get("graphchunk_mode") == "blend"
+    assert context_blocks(seg, "blend" if blend else "isolated", BLOCK) == blocks, \
+        "the prompts no longer take the blocks planned"
     params = sampling()
-    params.extra_args = {"graphchunk_boundaries": boundaries}
+    params.extra_args = {**prompt.extra, "graphchunk_boundaries": boundaries}
     before = llm.stats()
     (output,) = llm.llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
     after = llm.stats()
-    assert_matches_oracle(output, seg, oracle)
+    if blend:
+        k = GraphChunkConfig().recompute_tokens
+        assert_matches_reference(output, blend_reference(oracle, seg, f"legolink:{k}"), "blend")
+    else:
+        assert_matches_oracle(output, seg, oracle)
     return {name: after[name] - before[name] for name in after}
 
 
@@ -78,3 +90,16 @@ def test_chunks_evicted_from_the_pool_come_back_from_host_memory(host_llm, tiny_
     assert (again["tier_hits"], again["hits"], again["misses"]) == (2, 0, 0)
     assert again["tier_host_hits"] == again["tier_loads"] == 2
     assert again["tokens_computed"] < 20  # only the question: the chunks were copied from host memory
+
+
+def test_blend_chunks_come_back_from_host_memory_moved_where_they_land(host_llm, tiny_oracle):
+    """Blend chunks gone from the pool (reset: host memory keeps its entries) are copied from host
+    memory into the request's slots, their keys rotated to where they land (not where the first
+    request had them), taking no pool block."""
+    first = run(host_llm, tiny_oracle, RagPrompt(SYS, DOCS[3:], QUESTION, extra=LEGOLINK), blocks=3)
+    assert first["blend_misses"] == 2
+    host_llm.reset_pool()  # every entry unused: the pool is empty
+    again = run(host_llm, tiny_oracle, RagPrompt(SYS, DOCS[:2:-1], QUESTION, extra=LEGOLINK), blocks=3)
+    assert (again["blend_tier_hits"], again["blend_hits"], again["misses"]) == (2, 0, 0)
+    assert again["tier_host_hits"] == 3  # the two chunks, and the sys prompt (into the pool: chunk jobs read it there)
+    assert host_llm.stats()["pool_blocks_used"] == 1  # the sys prompt's block; the chunks took none

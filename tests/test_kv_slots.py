@@ -4,6 +4,7 @@ import pytest
 import torch
 from vllm import _custom_ops as ops
 from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from graphchunk.cache.kv_slots import KVCopier, KVSlotMap
 from graphchunk.device import consecutive_runs
@@ -118,3 +119,106 @@ def test_blocks_read_and_written_back_elsewhere_equal_a_block_copy(shared):
     KVCopier(want, slot_map, BLOCKS).copy_blocks([2, 5, 1], [6, 0, 7])
     for g, w in zip(got, want):
         assert torch.equal(g, w)
+
+
+# --- a copy split in two: read_slots out, write_slots in (the host tier's payload) -----------------
+
+SLOT_CASES = [(backend, layout, dtype) for backend, layout in
+              [("flash", x.name) for x in KVCacheLayout] + [("cpu", "LBHNC"), ("cpu", "one-buffer"),
+                                                            ("cpu", "per-layer"), ("ascend", "pairs")]
+              for dtype in (torch.float32, torch.bfloat16)]
+SLOT_IDS = [f"{backend}-{layout}-{str(dtype).removeprefix('torch.')}" for backend, layout, dtype in SLOT_CASES]
+PATHS = ["strided", "indexed", "gather", "gather-elements"]  # as test_kv_layouts.copier_for takes them
+
+
+def filled_copier(backend, layout, dtype, path, seed=4):
+    """Caches of a layout the tests build (test_kv_layouts': vLLM's six ``KVCacheLayout``s with the
+    flash write, LBHNC with the CPU kernel, vllm-ascend's pairs; this module's one-buffer and
+    per-layer CPU caches), random K/V written at every slot through the backend's op, the K/V
+    written ([layers, slots, heads, head_size] each), and the runner's copier on ``path``."""
+    import test_kv_layouts as kl
+
+    if backend == "ascend":
+        caches, keys, values = kl.ascend_filled(dtype, seed)
+        return caches, keys, values, kl.ascend_copier(caches, path)
+    if layout in ("one-buffer", "per-layer"):
+        caches, keys, values = kl.written(layer_caches(dtype, layout == "one-buffer"), write(dtype), dtype, seed)
+    else:
+        caches, keys, values = kl.filled(KVCacheLayout[layout], backend, dtype, seed)
+    return caches, keys, values, kl.copier_for(caches, backend, dtype, path)
+
+
+def tensors(caches) -> list[torch.Tensor]:
+    return [t for c in caches for t in ((c,) if isinstance(c, torch.Tensor) else c)]
+
+
+def scattered_slots():
+    """Disjoint src and dst (as pool and request slots are) of 6 blocks, in no order, each with one
+    run that crosses a block edge at an offset the other's does not (28..36 -> 60..68)."""
+    rest = np.random.default_rng(0).permutation(np.setdiff1d(np.arange(6 * BS), np.r_[28:37, 60:69]))
+    return np.r_[rest[:10], 28:37, rest[10:20]], np.r_[rest[20:30], 60:69, rest[30:40]]
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("backend,layout,dtype", SLOT_CASES, ids=SLOT_IDS)
+def test_slots_read_then_written_equal_a_slot_copy(backend, layout, dtype, path):
+    """``write_slots(read_slots(src), dst, key)`` leaves every cache bit for bit as ``copy_slots(src,
+    dst)`` (key None), ``copy_slots(src, dst, key_temperature=t)`` (key: K / t) and
+    ``copy_slots_rotated(src, dst, deltas, rotation)`` (key: the rotation) leave a second copy of the
+    caches; the payload is [layers, 2, n, heads, head_size]."""
+    from test_kv_layouts import rotation
+
+    src, dst = scattered_slots()
+    deltas = (np.arange(len(src)) % 7 + 190) * np.where(np.arange(len(src)) % 2, -1, 1)
+    moves = [(None, lambda c: c.copy_slots(src, dst)),
+             (lambda k: k / 0.7, lambda c: c.copy_slots(src, dst, key_temperature=0.7)),
+             (lambda k: rotation().rotate(k, torch.from_numpy(deltas)),
+              lambda c: c.copy_slots_rotated(src, dst, deltas, rotation()))]
+    for key, copy in moves:
+        got, _, _, copier = filled_copier(backend, layout, dtype, path)
+        want, _, _, reference = filled_copier(backend, layout, dtype, path)
+        before = [t.clone() for t in tensors(got)]
+        payload = copier.read_slots(src)
+        assert list(payload.shape) == [LAYERS, 2, len(src), HEADS, DIM]
+        copier.write_slots(payload, dst, key)
+        copy(reference)
+        assert all(torch.equal(g, w) for g, w in zip(tensors(got), tensors(want), strict=True))
+        assert not all(torch.equal(g, b) for g, b in zip(tensors(got), before)), "the slots did move"
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("backend,layout,dtype", SLOT_CASES, ids=SLOT_IDS)
+def test_read_slots_are_the_kv_written(backend, layout, dtype, path):
+    """``read_slots`` gives, contiguous and a copy, the K and V the backend's op wrote at each slot;
+    on the flash layouts the logical view's ``cache[block, head, offset, :D]`` (K) and ``[.., D:]``
+    (V), on vllm-ascend's pairs ``k_cache[block, offset]`` and ``v_cache[block, offset]``."""
+    src, _ = scattered_slots()
+    caches, keys, values, copier = filled_copier(backend, layout, dtype, path)
+    payload = copier.read_slots(src)
+    assert payload.is_contiguous() and payload.dtype == dtype and payload.device == copier.device
+    assert torch.equal(payload, torch.stack([keys[:, src], values[:, src]], 1))
+    blocks, offsets = torch.from_numpy(src // BS), torch.from_numpy(src % BS)
+    for layer, cache in enumerate(caches):
+        if backend == "flash":
+            logical = cache[blocks, :, offsets]  # [n, heads, 2 * head_size]
+            assert torch.equal(payload[layer, 0], logical[..., :DIM])
+            assert torch.equal(payload[layer, 1], logical[..., DIM:])
+        elif backend == "ascend":
+            assert torch.equal(payload[layer, 0], cache[0][blocks, offsets])
+            assert torch.equal(payload[layer, 1], cache[1][blocks, offsets])
+    payload.zero_()
+    assert torch.equal(copier.read_slots(src), torch.stack([keys[:, src], values[:, src]], 1)), "a copy"
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("backend,layout,dtype", SLOT_CASES, ids=SLOT_IDS)
+def test_no_slots_read_or_written(backend, layout, dtype, path):
+    """No slots: an empty payload [layers, 2, 0, heads, head_size], and writing one changes nothing."""
+    caches, _, _, copier = filled_copier(backend, layout, dtype, path)
+    before = [t.clone() for t in tensors(caches)]
+    none = np.array([], np.int64)
+    payload = copier.read_slots(none)
+    assert list(payload.shape) == [LAYERS, 2, 0, HEADS, DIM] and payload.dtype == dtype
+    copier.write_slots(payload, none)
+    copier.write_slots(payload, none, key=lambda k: k / 0.7)
+    assert all(torch.equal(t, b) for t, b in zip(tensors(caches), before, strict=True))

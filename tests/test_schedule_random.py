@@ -45,8 +45,8 @@ PREFIX = "Here is a document.\n\n"
 """blend_prefix of every third seed."""
 HOST_BYTES = 40 * BLOCK * 8
 """host_bytes of every third seed (another third than PREFIX's): a host-memory level alone, holding
-about 40 blocks of the fake device's payloads (a block's slots named in 8 bytes each), more than the
-pool's 24 and fewer than the stream's entries: pool misses it serves, and entries it drops."""
+about 40 blocks' tokens of the fake device's payloads (a slot named in 8 bytes), more than the pool's
+24 and fewer than the stream's entries: pool misses it serves in one copy, and entries it drops."""
 
 
 STREAMS = [pytest.param(s, False, id=f"seed{s}") for s in range(SEEDS)] + \
@@ -124,6 +124,8 @@ def run_stream(vllm_scheduler, seed: int, asynchronous: bool) -> dict[str, int]:
             abort(rng.choice(ids), state)
         steps.step(between=abort_in_flight)
         pool.check_invariants()
+        if context.planner.host is not None:
+            context.planner.host.check_invariants()
         check_blocks(scheduler)
         if step >= STEPS and not scheduler.has_unfinished_requests():
             break
@@ -146,6 +148,14 @@ def run_stream(vllm_scheduler, seed: int, asynchronous: bool) -> dict[str, int]:
         assert metrics.tier_hits and metrics.tier_host_hits == metrics.tier_loads, seed
         assert len({(e.metrics.tier_loads, e.metrics.tier_host_bytes) for e in workers.engines}) == 1
         assert 0 < metrics.tier_host_bytes <= config.host_bytes
+        # What the scheduler's index holds ready, every worker holds; a worker holds nothing the index
+        # has not reserved, or dropped since its last step; nothing is held once traffic stops.
+        host = context.planner.host
+        ready = {epoch for epoch, entry in host._live.items() if entry.ready}
+        for engine in workers.engines:
+            held = set(engine.runner.host._payloads)
+            assert ready <= held <= set(host._live) | set(host._drops), seed
+        assert all(not entry.ref_count for entry in host._live.values())
     else:
         assert not metrics.tier_loads
     # What /metrics would show, as vLLM's scheduler stats carried it: every counter's increments sum to

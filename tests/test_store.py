@@ -14,7 +14,6 @@ from multiprocessing import get_context
 import pytest
 import torch
 
-from graphchunk.cache.host_tier import HostTier
 from graphchunk.cache.store import (FORMAT_VERSION, ChunkStore, StoreIdentity, prepare_directory, read_store_key,
                                     weights_digest)
 from graphchunk.cache.tier import Tier
@@ -213,42 +212,9 @@ def test_weights_digest_follows_the_weights_not_the_path(tmp_path):
         weights_digest("no-such-org/no-such-model")
 
 
-# --- the host-memory level, in front of the directory or alone (tier.py) ---------------------------
+# --- the directory as the workers see it (tier.py) ------------------------------------------------
 
-def test_host_tier_serves_written_and_loaded_entries_without_reading_files(tmp_path):
-    metrics = CacheMetrics()
-    s = ChunkStore(tmp_path, 1 << 30, IDENTITY, LAYERS, BLOCK, metrics)
-    tier = Tier(HostTier(1 << 20, metrics), s, metrics)
-    tier.save(KEY, TOKENS, len(TOKENS), "isolated", payload())
-    s.path_of(KEY).unlink()
-    assert torch.equal(tier.load(KEY, TOKENS, "isolated", 2), payload())
-    assert (metrics.tier_host_hits, metrics.tier_loads, metrics.tier_bytes_read) == (1, 1, 0)
-    other = bytes(16)
-    store(tmp_path).save(other, TOKENS, len(TOKENS), "blend", payload(seed=3))  # another server's file
-    assert torch.equal(tier.load(other, TOKENS, "blend", 2), payload(seed=3))  # from the file, then kept
-    s.path_of(other).unlink()
-    assert torch.equal(tier.load(other, TOKENS, "blend", 2), payload(seed=3))
-    assert (metrics.tier_host_hits, metrics.tier_loads) == (2, 3)
-    assert tier.load(KEY, TOKENS, "blend", 2) is None and tier.load(KEY, (1, 2), "isolated", 2) is None
-
-
-def test_host_memory_alone_is_a_tier_without_files(tmp_path, monkeypatch):
-    """host_bytes without store_path: an entry saved is served from memory (tier_loads, tier_host_hits),
-    only for its tokens, mode and block count; nothing is written anywhere."""
-    monkeypatch.chdir(tmp_path)
-    metrics = CacheMetrics()
-    tier = Tier(HostTier(1 << 20, metrics), None, metrics)
-    tier.save(KEY, TOKENS, len(TOKENS), "isolated", payload())
-    assert torch.equal(tier.load(KEY, TOKENS, "isolated", 2), payload())
-    assert tier.load(KEY, TOKENS, "isolated", 3) is None and tier.load(KEY, TOKENS[:-1], "isolated", 2) is None
-    assert tier.load(bytes(16), TOKENS, "isolated", 2) is None
-    assert (metrics.tier_loads, metrics.tier_host_hits, metrics.tier_writes) == (1, 1, 0)
-    assert metrics.tier_host_bytes == payload().numel() * 2 and not list(tmp_path.iterdir())
-    with pytest.raises(ValueError, match="needs host memory, a directory or both"):
-        Tier(None, None, metrics)
-
-
-def test_a_rank_serves_from_host_memory_only_when_every_rank_found_its_payload():
+def test_a_rank_serves_from_the_directory_only_when_every_rank_found_its_file(tmp_path):
     """With tensor parallelism the ranks' answers are joined (``all_ranks``): one rank's miss makes
     every rank compute the entry, so a rank that holds it serves nothing and counts no load."""
     metrics, asked = CacheMetrics(), []
@@ -258,29 +224,13 @@ def test_a_rank_serves_from_host_memory_only_when_every_rank_found_its_payload()
         asked.append(found)
         return found and others_found[0]
 
-    tier = Tier(HostTier(1 << 20, metrics), None, metrics, all_ranks=all_ranks)
+    tier = Tier(ChunkStore(tmp_path, 1 << 30, IDENTITY, LAYERS, BLOCK, metrics), metrics, all_ranks=all_ranks)
     tier.save(KEY, TOKENS, len(TOKENS), "isolated", payload())
-    assert tier.load(KEY, TOKENS, "isolated", 2) is not None
+    assert torch.equal(tier.load(KEY, TOKENS, "isolated", 2), payload())
     others_found[0] = False
     assert tier.load(KEY, TOKENS, "isolated", 2) is None
     assert tier.load(bytes(16), TOKENS, "isolated", 2) is None  # a miss here joins the collective too
     assert asked == [True, True, False] and metrics.tier_loads == 1
-
-
-def test_host_tier_keeps_the_most_recently_used_within_its_budget():
-    size = payload().numel() * 2
-    host = HostTier(int(size * 2.5))
-    keys = [bytes([i]) * 16 for i in range(3)]
-    host.put(keys[0], TOKENS, "isolated", payload(seed=0))
-    host.put(keys[1], TOKENS, "isolated", payload(seed=1))
-    assert host.get(keys[0], TOKENS, "isolated", 2) is not None  # now the most recent
-    host.put(keys[2], TOKENS, "isolated", payload(seed=2))
-    assert host.get(keys[1], TOKENS, "isolated", 2) is None
-    assert host.get(keys[0], TOKENS, "isolated", 2) is not None and host.get(keys[2], TOKENS, "isolated", 2) is not None
-    assert host.metrics.tier_host_bytes == 2 * size and host.metrics.tier_host_drops == 1
-    host.put(keys[2], TOKENS, "isolated", payload(seed=3))  # replaced in place: nothing dropped
-    host.put(bytes(16), TOKENS, "isolated", payload(num_blocks=6))  # larger than the budget: not kept
-    assert host.metrics.tier_host_bytes == 2 * size and host.metrics.tier_host_drops == 1
 
 
 def _forged(path, data: torch.Tensor) -> None:

@@ -2,7 +2,7 @@
 
 For every segmented request whose scheduled range ``[start, end)`` overlaps its context
 ``[0, C)`` (C = S + sum L_i): acquire pool entries for its sys prompt and chunks, compute the
-misses (or load them from the tier, ``tier.py``), and copy the KV of the context tokens in
+misses (or load them from the directory, ``tier.py``, or host memory, ``host_tier.py``), and copy the KV of the context tokens in
 ``[start, min(end, C))`` into the request's own slots; blend requests then recompute the tokens
 their policy picks. The plan is ``context_plan.py``'s, the run ``context_run.py``'s.
 
@@ -21,6 +21,8 @@ from typing import Sequence
 from graphchunk.blend.recompute import RecomputePolicy
 from graphchunk.cache.context_plan import ContextPlanner, RequestPlan
 from graphchunk.cache.context_run import ContextRunner
+from graphchunk.cache.host_index import HostIndex
+from graphchunk.cache.host_tier import HostTier
 from graphchunk.cache.keys import KeySpace
 from graphchunk.cache.pool import ChunkPool, PoolExhausted
 from graphchunk.cache.tier import Tier
@@ -55,12 +57,13 @@ class ScheduledPrompt:
 
 class ChunkCache:
     def __init__(self, pool: ChunkPool, space: KeySpace, max_forward_tokens: int, check_layer: int = 1,
-                 tier: Tier | None = None):
+                 tier: Tier | None = None, host: HostTier | None = None, host_tokens: int = 0):
+        """``host``, ``host_tokens``: host memory below the pool and the tokens of KV it holds."""
         self.pool = pool
         self.metrics = pool.metrics
-        self.planner = ContextPlanner(pool, space)
+        self.planner = ContextPlanner(pool, space, HostIndex(host_tokens) if host is not None else None)
         self.runner = ContextRunner(pool.block_size, max_forward_tokens, self.metrics, check_layer=check_layer,
-                                    tier=tier)
+                                    tier=tier, host=host)
 
     def materialize(self, prompts: list[ScheduledPrompt], device: KVDevice) -> None:
         """Fills every prompt's context slots in its scheduled range. A prompt whose entries alone
@@ -90,6 +93,7 @@ class ChunkCache:
 
     def _run(self, group: list[tuple[ScheduledPrompt, RequestPlan]], device: KVDevice) -> None:
         try:
+            self.runner.drop_host(self.planner.take_host_drops())
             self.runner.run_jobs(device)
             self.planner.finish_jobs(self.runner.done_before)
             self.runner.copy([(prompt, plan.units) for prompt, plan in group], device)

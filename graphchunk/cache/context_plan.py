@@ -4,14 +4,18 @@ For a request's context range ``[start, end)`` (C = S + sum L_i, DESIGN.md §2),
 acquires a pool entry for the sys prompt and for each chunk overlapping the range and says what
 the workers must do with them:
 
-- an entry absent from the pool is inserted and given a ``MissJob`` that computes it as a
+- a chunk absent from the pool that host memory holds (``host_index.HostIndex``, with
+  ``host_bytes``) takes no pool entry: its ``UnitCopy`` copies from the host payload straight into
+  the request's slots (one copy);
+- any other entry absent from the pool is inserted and given a ``MissJob`` that computes it as a
   pseudo-sequence with ordinary causal attention (sys at positions [0, S); an isolated chunk as
   ``sys ‖ chunk`` continuing the sys entry's KV, its partial last block copied first, positions
   [S, S+L_i); a blend chunk alone at [0, L_i), or after the blend prefix at [m, m+L_i)), or loads
-  it from the workers' tier;
+  it from the workers' directory (a sys prompt host memory holds: from there); the job reserves
+  room for the entry in host memory, where the workers save it once it has run;
 - an entry that an earlier job is still computing is waited for;
 - every segment becomes a ``UnitCopy``: the slots of the request's tokens ``[lo, hi)`` in the
-  entry's blocks, copied into the request's own slots once every entry is ready.
+  entry's blocks (or host payload), copied into the request's own slots once every entry is ready.
 
 Jobs get increasing ids; workers run them in id order (``context_run.py``) and report the first id
 they have not finished (``finish_jobs``), which makes the entries of the jobs before it ready.
@@ -21,7 +25,7 @@ References: a plan holds one on each of its entries until its copies have been s
 (``release``), a job one on its entry (and an isolated chunk's job one on its sys entry) until it
 has run; eviction (``pool.py``) only takes unreferenced ready entries, so no block is reused while
 anything will still read or write it. When a plan may be released is the caller's rule (the
-invariant in ``engine/context_scheduler.py``). Every entry carries an epoch, unique per insert,
+invariant in ``engine/context_scheduler.py``). Host entries are held alike (``HostIndex``). Every entry carries an epoch, unique per insert,
 that its job and every copy from it name (``MissJob.epoch``, ``UnitCopy.epoch``): the workers
 check them. ``plan`` raises ``PoolExhausted`` (having undone itself) when the entries in use
 leave no room.
@@ -34,6 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import xxhash
 
+from graphchunk.cache.host_index import HostEntry, HostIndex
 from graphchunk.cache.keys import KeySpace, chunk_key, sys_key
 from graphchunk.cache.pool import ChunkPool, PoolEntry, PoolExhausted
 from graphchunk.segments import SegmentedPrompt
@@ -55,6 +60,9 @@ class UnitCopy:
     chunk lands)."""
     epoch: int = 0
     """The entry's epoch (``PoolEntry.epoch``): what its blocks must hold when the copy runs."""
+    host: bool = False
+    """Copied from host memory: the payload saved under ``epoch`` (``HostEntry.epoch``) from the
+    entry's slots ``[offset, ...)``, whose row ``t - begin`` holds token t's KV (``entry_blocks`` empty)."""
 
 
 @dataclass(frozen=True)
@@ -83,6 +91,13 @@ class MissJob:
     """The entry's epoch, stamped on its blocks as the job starts writing them."""
     reads: tuple[tuple[tuple[int, ...], int], ...] = ()
     """Other entries' blocks the job reads, with their epochs (an isolated chunk's sys entry)."""
+    offset: int = 0
+    """The entry's slot of its first token a copy reads: host memory keeps slots [offset, num_tokens)."""
+    save_host: bool = False
+    """Host memory has room reserved for the entry (``HostIndex.reserve``): saved there once run."""
+    host_source: int = -1
+    """The epoch of the host payload the entry is loaded from instead (a sys prompt); -1: none.
+    Computed after all when a rank no longer holds it."""
 
 
 @dataclass(frozen=True)
@@ -106,6 +121,8 @@ class EntryCapture:
     context: str | None = None
     """The identity of the tokens before the chunk (``context_identity``) when the workers also
     write the entry to the tier (``blend_entries`` 'precompute'); None: the pool only."""
+    save_host: bool = False
+    """Host memory has room reserved for the entry: saved there too (``MissJob.save_host``)."""
 
 
 def context_identity(tokens) -> str:
@@ -119,6 +136,10 @@ class _Job:
     """A job the workers have not reported run: its entry, and the entries it holds."""
     entry: PoolEntry
     holds: list[PoolEntry]
+    host_holds: list[HostEntry] = field(default_factory=list)
+    """Host entries it holds: the room it saves its entry into (ready once it has run), the payload
+    it loads from."""
+    saves: HostEntry | None = None
 
 
 @dataclass
@@ -131,6 +152,7 @@ class RequestPlan:
     needs: int = -1
     """The last job id it waits for; -1: every entry is ready."""
     held: list[PoolEntry] = field(default_factory=list)
+    host_held: list[HostEntry] = field(default_factory=list)
     counts: list[tuple[str, int, str | int]] = field(default_factory=list)
     """What the plan counts, for the workers to add to their metrics as they run it (``context_run``):
     (metric, n, mode), or ('reused', n, job id): tokens copied from an entry a job is computing,
@@ -149,8 +171,9 @@ def context_blocks(seg: SegmentedPrompt, mode: str, block_size: int, prefix_len:
 
 
 class ContextPlanner:
-    def __init__(self, pool: ChunkPool, space: KeySpace):
-        self.pool, self.space = pool, space
+    def __init__(self, pool: ChunkPool, space: KeySpace, host: HostIndex | None = None):
+        """``host``: the host-memory level's index (``host_bytes``), None without one."""
+        self.pool, self.space, self.host = pool, space, host
         self.block_size = pool.block_size
         self._next_job = 0
         self._running: dict[int, _Job] = {}
@@ -167,8 +190,7 @@ class ContextPlanner:
         except PoolExhausted:
             self.release(plan)
             for job in plan.jobs:  # never sent: their entries are dropped with their last release
-                for entry in self._running.pop(job.job_id).holds:
-                    self.pool.release(entry)
+                self._release_job(self._running.pop(job.job_id))
             self._next_job = num_jobs
             raise
         return plan
@@ -179,7 +201,7 @@ class ContextPlanner:
         missing = 0
         for index, (begin, stop) in enumerate(seg.bounds[:-1]):
             lo, hi = max(begin, start), min(stop, end)
-            if lo < hi and not self.pool.contains(*self._identity(seg, salt, mode, None if index == 0 else index - 1)):
+            if lo < hi and not self._holds(*self._identity(seg, salt, mode, None if index == 0 else index - 1)):
                 missing += hi - lo
         return missing
 
@@ -204,11 +226,12 @@ class ContextPlanner:
                     entry = self._insert(key, tokens, len(tokens), plan)
                 except PoolExhausted:
                     break
-                job_id = self._start_job(entry, [entry])
                 offset = 0 if chunk is None else len(self.space.blend_prefix)
+                saves = self._reserve(entry, offset)
+                job_id = self._start_job(entry, [entry], saves)
                 context = context_identity(seg.token_ids[:lo]) if last_only else None
                 plan.captures.append(EntryCapture(job_id, req_id, lo, hi, tuple(entry.block_ids), entry.epoch, offset,
-                                                  key, tuple(tokens), context))
+                                                  key, tuple(tokens), context, saves is not None))
             if chunk is not None:
                 plan.counts += [("lookups", 1, "blend"), ("hits" if hit else "misses", 1, "blend")]
         return plan
@@ -216,7 +239,13 @@ class ContextPlanner:
     def release(self, plan: RequestPlan) -> None:
         for entry in plan.held:
             self.pool.release(entry)
-        plan.held = []
+        for hosted in plan.host_held:
+            self.host.release(hosted)
+        plan.held, plan.host_held = [], []
+
+    def take_host_drops(self) -> tuple[int, ...]:
+        """Host payloads dropped since the last call, for the workers (``HostIndex.take_drops``)."""
+        return self.host.take_drops() if self.host is not None else ()
 
     @property
     def has_jobs(self) -> bool:
@@ -228,6 +257,8 @@ class ContextPlanner:
         computing one keeps its reference until it is reported run)."""
         if epochs:
             self.pool.forget(set(epochs))
+            if self.host is not None:
+                self.host.forget(epochs)
 
     def finish_jobs(self, done_before: int) -> None:
         """The workers have run every job with an id below ``done_before`` (``_running`` holds ids in
@@ -236,8 +267,15 @@ class ContextPlanner:
             job = self._running.pop(job_id)
             self.pool.mark_ready(job.entry)
             job.entry.job_id = -1
-            for held in job.holds:
-                self.pool.release(held)
+            if job.saves is not None:
+                self.host.mark_ready(job.saves)
+            self._release_job(job)
+
+    def _release_job(self, job: _Job) -> None:
+        for held in job.holds:
+            self.pool.release(held)
+        for hosted in job.host_holds:
+            self.host.release(hosted)
 
     # --- one segment ---------------------------------------------------------------------------
 
@@ -252,7 +290,10 @@ class ContextPlanner:
             kind = "rotated" if mode == "blend" else "chunk"
         plan.counts.append(("tokens_reused", hi - lo, mode) if entry.ready else ("reused", hi - lo, entry.job_id))
         begin = seg.bounds[0 if chunk is None else 1 + chunk][0]
-        plan.units.append(UnitCopy(tuple(entry.block_ids), offset, lo, hi, begin, kind, entry.epoch))
+        if isinstance(entry, HostEntry):
+            plan.units.append(UnitCopy((), offset, lo, hi, begin, kind, entry.epoch, host=True))
+        else:
+            plan.units.append(UnitCopy(tuple(entry.block_ids), offset, lo, hi, begin, kind, entry.epoch))
 
     def _identity(self, seg, salt, mode, chunk: int | None) -> tuple[bytes, tuple[int, ...]]:
         """(key, tokens) of the sys prompt's entry (``chunk`` None) or of chunk ``chunk``'s: isolated,
@@ -282,12 +323,16 @@ class ContextPlanner:
         entry = self._lookup(key, tokens, plan)
         if entry is None:
             entry = self._insert(key, seg.sys_tokens, seg.layout.sys_len, plan)
-            self._add_job(plan, entry, seg.sys_tokens, entry.block_ids, 0, mode, [entry], counted=False)
+            # in host memory: loaded from there into the pool, where chunk jobs read it
+            hosted = self.host.lookup(key, tokens) if self.host is not None else None
+            self._add_job(plan, entry, seg.sys_tokens, entry.block_ids, 0, mode, [entry], counted=False,
+                          source=hosted)
         return entry
 
-    def _acquire_chunk(self, seg, i, sys_entry, salt, mode, plan: RequestPlan) -> tuple[PoolEntry, int]:
-        """The chunk's entry and the slot offset of its first token in the entry's blocks. The
-        metrics count chunk lookups only (a sys prompt is looked up once per chunk it precedes).
+    def _acquire_chunk(self, seg, i, sys_entry, salt, mode, plan: RequestPlan) -> tuple[PoolEntry | HostEntry, int]:
+        """The chunk's entry and the slot offset of its first token in the entry's blocks; a host
+        entry (its payload starting there) when the pool misses and host memory holds it. The metrics count chunk
+        lookups only (a sys prompt is looked up once per chunk it precedes).
 
         Isolated: the entry holds ``sys ‖ chunk``'s KV from the sys prompt's partial last block on.
         Blend: ``blend_prefix ‖ chunk`` at positions [0, m + L) from the first slot, the chunk's first
@@ -300,10 +345,15 @@ class ContextPlanner:
         entry = self._lookup(key, tokens, plan)
         plan.counts.append(("lookup_seconds", time.perf_counter() - start, mode))
         counts = [("lookups", 1, mode)] + ([("hits", 1, mode)] if entry is not None else [])  # in flight: a hit
+        hosted = self.host.lookup(key, tokens) if entry is None and self.host is not None else None
+        if hosted is not None:  # copied from host memory into the request: no pool entry
+            plan.host_held.append(hosted)
+            plan.counts += counts + [("tier_hits", 1, mode), ("tier_host_hits", 1, ""), ("tier_loads", 1, "")]
+            return hosted, offset
         if entry is None:  # a miss, counted when its job finishes (computed, or loaded from the tier)
             entry = self._insert(key, tokens, offset + len(chunk), plan)
             if mode == "blend":
-                self._add_job(plan, entry, tokens, entry.block_ids, 0, mode, [entry])
+                self._add_job(plan, entry, tokens, entry.block_ids, 0, mode, [entry], offset=offset)
             else:
                 sys_blocks = sys_entry.block_ids[: len(sys_tokens) // self.block_size] if sys_entry else []
                 partial = (sys_entry.block_ids[-1], entry.block_ids[0]) if offset else None
@@ -313,7 +363,7 @@ class ContextPlanner:
                 after = sys_entry.job_id if sys_entry is not None and not sys_entry.ready else -1
                 reads = ((tuple(sys_entry.block_ids), sys_entry.epoch),) if sys_entry is not None else ()
                 self._add_job(plan, entry, tokens, [*sys_blocks, *entry.block_ids], len(sys_tokens), mode, holds,
-                              partial, after, reads=reads)
+                              partial, after, reads=reads, offset=offset)
         plan.counts += counts
         return entry, offset
 
@@ -330,21 +380,34 @@ class ContextPlanner:
         plan.held.append(entry)
         return entry
 
-    def _start_job(self, entry: PoolEntry, holds: list[PoolEntry]) -> int:
+    def _holds(self, key: bytes, tokens) -> bool:
+        """Whether the pool (ready or in flight) or host memory holds the entry."""
+        return self.pool.contains(key, tokens) or (self.host is not None and self.host.contains(key, tokens))
+
+    def _reserve(self, entry: PoolEntry, offset: int) -> HostEntry | None:
+        """Host memory's room for the entry's payload (slots ``[offset, num_tokens)``), or None."""
+        if self.host is None:
+            return None
+        return self.host.reserve(entry.key, tuple(entry.tokens), entry.num_tokens - offset, entry.epoch)
+
+    def _start_job(self, entry: PoolEntry, holds: list[PoolEntry], saves: HostEntry | None = None,
+                   source: HostEntry | None = None) -> int:
         """The next job id, for the job (or capture) that fills ``entry``: it takes a reference of
         its own on the entry, beside the plan's (others in ``holds``: the caller's), released with
-        ``holds`` once the workers report it run."""
+        ``holds`` once the workers report it run; so are ``saves`` (host memory's room for the entry,
+        then ready) and ``source`` (the host payload it loads), each holding one reference."""
         job_id, self._next_job = self._next_job, self._next_job + 1
         self.pool.acquire(entry)
         entry.job_id = job_id
-        self._running[job_id] = _Job(entry, holds)
+        self._running[job_id] = _Job(entry, holds, [h for h in (saves, source) if h is not None], saves)
         return job_id
 
     def _add_job(self, plan: RequestPlan, entry: PoolEntry, token_ids, block_ids, num_cached: int, mode: str,
                  holds: list[PoolEntry], partial: tuple[int, int] | None = None, after: int = -1,
-                 counted: bool = True, reads: tuple = ()) -> None:
-        job = MissJob(self._start_job(entry, holds), tuple(token_ids), tuple(block_ids), num_cached,
+                 counted: bool = True, reads: tuple = (), offset: int = 0, source: HostEntry | None = None) -> None:
+        saves = self._reserve(entry, offset) if source is None else None
+        job = MissJob(self._start_job(entry, holds, saves, source), tuple(token_ids), tuple(block_ids), num_cached,
                       tuple(entry.block_ids), entry.key, tuple(entry.tokens), entry.num_tokens, mode, partial, after,
-                      counted, entry.epoch, reads)
+                      counted, entry.epoch, reads, offset, saves is not None, source.epoch if source else -1)
         plan.jobs.append(job)
         plan.needs = max(plan.needs, job.job_id)

@@ -4,8 +4,11 @@
 at most ``budget`` new tokens per call (None: all), in forwards of at most ``max_forward_tokens``
 tokens, cutting a long job across forwards and steps (each piece continues the KV of the one
 before); a job never shares a forward with the sys job whose KV it reads. A job's entry is first
-looked up in the tier (``tier.py``: host memory, the directory, or both): a payload there is
-loaded into the entry's blocks instead of computed, and a computed entry is written through.
+looked up in the directory (``tier.py``): a payload there is loaded into the entry's blocks instead
+of computed, and a computed entry is written through. With host memory (``host_tier.HostTier``) a
+job the scheduler reserved room for saves its entry there once run (``MissJob.save_host``), and a
+sys prompt's job may load its entry from there (``host_source``); what the scheduler drops is
+freed as the step's work arrives (``drop_host``), before anything of it runs.
 ``done_before`` is the first job id not yet finished: the plans' scheduler learns it after each step.
 
 ``capture`` fills new blend entries from a request vLLM computed as a full prefill, after the
@@ -19,13 +22,15 @@ the first queued job's id, or past every id seen. A capture that names its conte
 slots (chunk keys divided by the request's key temperature when it is not 1; blend chunks'
 keys rotated to where they land: one copy per key temperature and one rotated copy for all of the
 step's requests, their slot lists built by array operations over all its units, ``unit_slots``),
-then gives the tokens each blend request's recompute policy picks fresh KV (``blend/recompute.py``).
+and the units host memory serves from their payloads (``UnitCopy.host``: the rows gathered on the
+host, one transfer and write per key temperature and one rotated), then gives the tokens each
+blend request's recompute policy picks fresh KV (``blend/recompute.py``).
 
 Every read is checked against what was planned, at no cost worth measuring (a comparison per
 block): a job stamps its entry's blocks with the entry's epoch (``PoolEntry.epoch``) as it starts
 writing them, and a copy (``UnitCopy.epoch``) or a job reading another entry (``MissJob.reads``)
-runs only where the blocks still carry the planned epoch. A request whose copy would read
-anything else is not filled: its own blocks from the first affected one on are reported invalid
+runs only where the blocks still carry the planned epoch (a host unit, where host memory holds
+its payload). A request whose copy would read anything else is not filled: its own blocks from the first affected one on are reported invalid
 (``take_invalid``: the scheduler's connector evicts them from vLLM's prefix cache whatever state
 their request is in) and the request is reported for a new plan (``take_refill``: the scheduler's
 connector puts it back in vLLM's queue, ``engine/fill_retry.py``), and a job whose input is wrong
@@ -43,9 +48,11 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
+import torch
 
 from graphchunk.blend.recompute import recompute
 from graphchunk.cache.context_plan import EntryCapture, MissJob, UnitCopy
+from graphchunk.cache.host_tier import HostTier
 from graphchunk.cache.tier import Tier
 from graphchunk.device import KVDevice, PseudoSeq, slots_of
 from graphchunk.log import logger
@@ -62,14 +69,14 @@ class _Progress:
     """Tokens of the job's pseudo-sequence whose KV is in place."""
     started: bool = False
     loaded: bool = False
-    """Served by the tier (not written back)."""
+    """Served by the directory or host memory (not written back to the directory)."""
 
 
 class ContextRunner:
     def __init__(self, block_size: int, max_forward_tokens: int, metrics: CacheMetrics, *, check_layer: int = 1,
-                 tier: Tier | None = None):
+                 tier: Tier | None = None, host: HostTier | None = None):
         self.block_size, self.max_forward_tokens = block_size, max_forward_tokens
-        self.metrics, self.check_layer, self.tier = metrics, check_layer, tier
+        self.metrics, self.check_layer, self.tier, self.host = metrics, check_layer, tier, host
         self._queue: deque[_Progress] = deque()
         self.done_before = 0
         """Every job (and capture) with a smaller id has run."""
@@ -95,6 +102,11 @@ class ContextRunner:
             self._queue.append(_Progress(job, job.num_cached))
             self._reused[job.job_id] = 0
             self._next_id = max(self._next_id, job.job_id + 1)
+
+    def drop_host(self, epochs) -> None:
+        """Frees the host payloads the scheduler dropped (``HostIndex.take_drops``)."""
+        if epochs and self.host is not None:
+            self.host.drop(epochs)
 
     def count(self, counts) -> None:
         """Adds a plan's counts (``RequestPlan.counts``, its jobs added first) to the metrics."""
@@ -160,9 +172,20 @@ class ContextRunner:
             self.metrics.count("tier_hits" if progress.loaded else "misses", 1, job.mode)
         if progress.loaded:  # the tokens copied from a tier hit are reused
             self.metrics.count("tokens_reused", reused, job.mode)
-        if self.tier is not None and not progress.loaded and self._holds(job.entry_blocks, job.epoch):
+        holds = self._holds(job.entry_blocks, job.epoch)
+        if self.tier is not None and not progress.loaded and holds:
             self.tier.save(job.key, job.entry_tokens, job.num_tokens, job.mode, device.read_blocks(job.entry_blocks))
+        if job.save_host:
+            self._save_host(job.epoch, job.entry_blocks, job.offset, job.num_tokens, device, holds)
         self._advance()
+
+    def _save_host(self, epoch: int, blocks, offset: int, end: int, device: KVDevice, holds: bool = True) -> None:
+        """Keeps the entry's slots ``[offset, end)`` in host memory under its epoch, as the
+        scheduler reserved; one that cannot be kept is reported (``take_failed``: the scheduler's
+        index forgets it)."""
+        if not (holds and self.host.put(epoch, device.read_slots(slots_of(blocks, np.arange(offset, end),
+                                                                            self.block_size)))):
+            self.failed.add(epoch)
 
     def _advance(self) -> None:
         self.done_before = self._queue[0].job.job_id if self._queue else self._next_id
@@ -182,11 +205,13 @@ class ContextRunner:
             self._next_id = max(self._next_id, capture.job_id + 1)
         device.copy_slots_rotated(*(np.concatenate(part) for part in zip(*parts)))
         self.metrics.blend_entries_captured += len(captures)
-        if self.tier is not None:
-            for capture in captures:
-                if capture.context is not None:
-                    self.tier.save(capture.key, capture.entry_tokens, len(capture.entry_tokens), "blend",
-                                   device.read_blocks(capture.entry_blocks), context=capture.context)
+        for capture in captures:
+            if self.tier is not None and capture.context is not None:
+                self.tier.save(capture.key, capture.entry_tokens, len(capture.entry_tokens), "blend",
+                               device.read_blocks(capture.entry_blocks), context=capture.context)
+            if capture.save_host:
+                self._save_host(capture.epoch, capture.entry_blocks, capture.offset,
+                                capture.offset + capture.hi - capture.lo, device)
         self._advance()
 
     def _stamp(self, job: MissJob) -> None:
@@ -202,6 +227,13 @@ class ContextRunner:
             self.epochs[block] = POISONED if bad else job.epoch
         if bad:
             self.failed.update([job.epoch, *(epoch for _, epoch in bad)])
+
+    def _unit_holds(self, unit: UnitCopy) -> bool:
+        """Whether what the unit copies from holds what was planned: its entry's blocks the epoch, or
+        host memory its payload."""
+        if unit.host:
+            return self.host is not None and self.host.get(unit.epoch) is not None
+        return self._holds(unit.entry_blocks, unit.epoch)
 
     def _holds(self, blocks, epoch: int) -> bool:
         return epoch != POISONED and all(self.epochs.get(block) == epoch for block in blocks)
@@ -223,6 +255,16 @@ class ContextRunner:
         return failed
 
     def _load(self, job: MissJob, device: KVDevice) -> bool:
+        """Whether the job's entry was loaded (from host memory, or the directory) instead of computed."""
+        if job.host_source >= 0 and self.host is not None:
+            data = self.host.get_on_all_ranks(job.host_source)
+            if data is not None:
+                device.write_slots(data, slots_of(job.entry_blocks, np.arange(job.offset, job.num_tokens),
+                                                  self.block_size))
+                self.metrics.tier_loads += 1
+                self.metrics.tier_host_hits += 1
+                return True
+            self.failed.add(job.host_source)  # computed instead; the scheduler's index forgets it
         if self.tier is None:
             return False
         data = self.tier.load(job.key, job.entry_tokens, job.mode, len(job.entry_blocks))
@@ -246,30 +288,50 @@ class ContextRunner:
         built by a fixed number of array operations (``unit_slots``), however many requests and
         units."""
         requests = [(prompt, units) for prompt, units in requests if self._check(prompt, units)]
-        slots = unit_slots(requests, self.block_size)
-        if slots is None:
+        if not any(units for _, units in requests):
             return []
-        src, dst, rotated, temperature, delta = slots
+        pooled = [(prompt, [unit for unit in units if not unit.host]) for prompt, units in requests]
+        slots = unit_slots(pooled, self.block_size)
+        if slots is not None:
+            src, dst, rotated, temperature, delta = slots
+            plain = ~rotated
+            for value in np.unique(temperature[plain]).tolist():
+                chosen = plain & (temperature == value)
+                device.copy_slots(src[chosen], dst[chosen], key_temperature=value)
+            if rotated.any():
+                device.copy_slots_rotated(src[rotated], dst[rotated], delta[rotated])
+        self._copy_hosted(requests, device)
+        return [prompt for prompt, _ in requests]
+
+    def _copy_hosted(self, requests, device: KVDevice) -> None:
+        """The requests' host units: their payload rows concatenated on the host (in unit order, as
+        ``unit_slots`` lists the units' tokens), then one write per key temperature and one rotated."""
+        hosted = [(prompt, [unit for unit in units if unit.host]) for prompt, units in requests]
+        slots = unit_slots(hosted, self.block_size, source=False)
+        if slots is None:
+            return
+        _, dst, rotated, temperature, delta = slots
+        data = torch.cat([self.host.get(unit.epoch)[:, :, unit.lo - unit.begin:unit.hi - unit.begin]
+                          for _, units in hosted for unit in units], dim=2)
         plain = ~rotated
         for value in np.unique(temperature[plain]).tolist():
             chosen = plain & (temperature == value)
-            device.copy_slots(src[chosen], dst[chosen], key_temperature=value)
+            device.write_slots(_rows(data, chosen), dst[chosen], key_temperature=value)
         if rotated.any():
-            device.copy_slots_rotated(src[rotated], dst[rotated], delta[rotated])
-        return [prompt for prompt, _ in requests]
+            device.write_slots(_rows(data, rotated), dst[rotated], deltas=delta[rotated])
 
     def _check(self, prompt, units: Sequence[UnitCopy]) -> bool:
         """Whether every unit's entry blocks hold the planned epoch; else the request's blocks from
         the first unit's on are marked invalid."""
-        bad = [unit for unit in units if not self._holds(unit.entry_blocks, unit.epoch)]
+        bad = [unit for unit in units if not self._unit_holds(unit)]
         if not bad:
             return True
         first = min(unit.lo for unit in units) // self.block_size
         self.failed.update(unit.epoch for unit in bad)
         self.refill.add(prompt.req_id)
         self.invalid.update(prompt.block_ids[first:])
-        logger.warning("graphchunk: a context fill of request %s would copy pool blocks %s that do not hold the entries "
-                       "it was planned from (epochs %s, found %s); it is planned again instead of reading them",
+        logger.warning("graphchunk: a context fill of request %s would copy pool blocks %s ([]: host memory) that do not "
+                       "hold the entries it was planned from (epochs %s, found %s); it is planned again instead of reading them",
                        prompt.req_id, [list(u.entry_blocks) for u in bad], [u.epoch for u in bad],
                        [[self.epochs.get(b) for b in u.entry_blocks] for u in bad])
         return False
@@ -287,9 +349,9 @@ class ContextRunner:
                       block_size=self.block_size, metrics=self.metrics)
 
 
-def unit_slots(requests: Sequence[tuple[object, Sequence[UnitCopy]]], block_size: int):
-    """Per token of every unit, in request and unit order: (source slot in the entry's blocks,
-    destination slot in the request's, rotated (blend), the key temperature of a plain copy (a
+def unit_slots(requests: Sequence[tuple[object, Sequence[UnitCopy]]], block_size: int, source: bool = True):
+    """Per token of every unit, in request and unit order: (source slot in the entry's blocks (None
+    without ``source``: host units), destination slot in the request's, rotated (blend), the key temperature of a plain copy (a
     chunk's: the request's; a sys prompt's: 1), the rotation's delta); None without units. Python
     reads each unit once; the slots come from array operations over the step's tokens together."""
     units = [(index, unit) for index, (_, request_units) in enumerate(requests) for unit in request_units]
@@ -303,16 +365,23 @@ def unit_slots(requests: Sequence[tuple[object, Sequence[UnitCopy]]], block_size
     delta = np.fromiter((u.begin - u.offset for _, u in units), np.int64, count)
     temperature = np.fromiter((requests[i][0].key_temperature if u.kind == "chunk" else 1.0 for i, u in units),
                               np.float64, count)
-    entry_blocks, entry_base = _flat([u.entry_blocks for _, u in units])
     request_blocks, request_base = _flat([prompt.block_ids for prompt, _ in requests])
     owner = np.fromiter((i for i, _ in units), np.int64, count)
     which = np.repeat(np.arange(count), lengths)
     step = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
     src_logical, dst_logical = src_first[which] + step, dst_first[which] + step
-    src = entry_blocks[entry_base[which] + src_logical // block_size] * block_size + src_logical % block_size
+    src = None
+    if source:
+        entry_blocks, entry_base = _flat([u.entry_blocks for _, u in units])
+        src = entry_blocks[entry_base[which] + src_logical // block_size] * block_size + src_logical % block_size
     dst = request_blocks[request_base[owner][which] + dst_logical // block_size] * block_size + \
         dst_logical % block_size
     return src, dst, rotated[which], temperature[which], delta[which]
+
+
+def _rows(data: torch.Tensor, chosen: np.ndarray) -> torch.Tensor:
+    """The payload rows (dimension 2: tokens) ``chosen`` marks: all of them without a copy."""
+    return data if chosen.all() else data[:, :, torch.from_numpy(chosen)]
 
 
 def _flat(sequences: list) -> tuple[np.ndarray, np.ndarray]:

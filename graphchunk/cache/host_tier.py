@@ -1,56 +1,63 @@
-"""The host-memory level of the tier: entries' KV payloads in process memory, below the device pool.
+"""The host-memory level below the device pool, in each worker: entries' KV payloads in process memory.
 
-Every entry computed into the pool is written through to it, and one the directory (``store_path``)
-served is kept too, up to ``host_bytes`` (least recently used dropped first), so that a pool miss
-on it is a memory copy instead of a forward (or a file read and checksum). It works alone, without
-a directory (``tier.Tier``): the device pool is then the hot set and this level the warm one. On
-CUDA the payloads are pinned, so that the copy back into the pool's device blocks can be a DMA; on
-CPU the pool is host memory already, and this level pays off where the pool is small or the
-directory slow (a shared network filesystem). Payloads are graphchunk's own copies, made from the
-pool's blocks or from checked files, so they are served without checks.
+What it holds is decided where vLLM schedules (``host_index.HostIndex``): a job the scheduler
+reserved room for saves its entry here once it has run (``put``, under the pool entry's epoch),
+and the scheduler's drops free payloads (``drop``). A payload is the tokens an entry's copies read,
+every layer's K and V ([layers, 2, tokens, heads, head_size], ``KVDevice.read_slots``), so a pool
+miss it holds is copied straight into the request's slots (``context_run.py``): pinned on CUDA, so
+that the copy is a DMA. Payloads are graphchunk's own copies of the pool's blocks, served without
+checks but for their presence: one missing (a save that failed) fails the copies planned from it,
+and the request is planned again.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
-from typing import Sequence
+from typing import Callable, Iterable
 
 import torch
 
+from graphchunk.log import logger
 from graphchunk.metrics import CacheMetrics
 
 
 class HostTier:
-    def __init__(self, budget_bytes: int, metrics: CacheMetrics | None = None, pin: bool = False):
-        self.budget = budget_bytes
+    def __init__(self, budget_bytes: int, metrics: CacheMetrics | None = None, pin: bool = False,
+                 all_ranks: Callable[[bool], bool] | None = None):
+        """``all_ranks(found)``: whether every tensor-parallel rank found its payload (a collective:
+        a sys prompt loaded from here, else computed by a forward all ranks join)."""
+        self.budget, self.pin, self.all_ranks = budget_bytes, pin, all_ranks
         self.metrics = metrics or CacheMetrics()
-        self.pin = pin
-        self._entries: OrderedDict[bytes, tuple[tuple[int, ...], str, torch.Tensor]] = OrderedDict()
+        self._payloads: dict[int, torch.Tensor] = {}
         self._bytes = 0
 
-    def get(self, key: bytes, tokens: Sequence[int], mode: str, num_blocks: int) -> torch.Tensor | None:
-        found = self._entries.get(key)
-        if found is None or found[:2] != (tuple(tokens), mode) or found[2].shape[1] != num_blocks:
-            return None
-        self._entries.move_to_end(key)
-        self.metrics.tier_host_hits += 1
-        return found[2]
+    def get(self, epoch: int) -> torch.Tensor | None:
+        return self._payloads.get(epoch)
 
-    def put(self, key: bytes, tokens: Sequence[int], mode: str, data: torch.Tensor) -> None:
+    def get_on_all_ranks(self, epoch: int) -> torch.Tensor | None:
+        """The payload, or None unless every tensor-parallel rank holds its own."""
+        data = self._payloads.get(epoch)
+        if self.all_ranks is not None and not self.all_ranks(data is not None):
+            return None
+        return data
+
+    def put(self, epoch: int, data: torch.Tensor) -> bool:
+        """Keeps ``data`` under ``epoch``; False (not kept, logged) past the budget, which the
+        scheduler's index keeps to: only a disagreement between the two gets there."""
         size = data.numel() * data.element_size()
-        if size > self.budget:
-            return
-        self._remove(key)
-        while self._bytes + size > self.budget:
-            self._remove(next(iter(self._entries)))
-            self.metrics.tier_host_drops += 1
+        if self._bytes + size > self.budget:
+            logger.error("graphchunk: host memory holds %d of %d bytes and cannot take entry %d's %d; it is not kept",
+                         self._bytes, self.budget, epoch, size)
+            return False
         if self.pin and not data.is_pinned():
             data = data.pin_memory()
-        self._entries[key] = (tuple(tokens), mode, data)
+        self._payloads[epoch] = data
         self._bytes += size
         self.metrics.tier_host_bytes = self._bytes
+        return True
 
-    def _remove(self, key: bytes) -> None:
-        found = self._entries.pop(key, None)
-        if found is not None:
-            self._bytes -= found[2].numel() * found[2].element_size()
-            self.metrics.tier_host_bytes = self._bytes
+    def drop(self, epochs: Iterable[int]) -> None:
+        for epoch in epochs:
+            data = self._payloads.pop(epoch, None)
+            if data is not None:
+                self._bytes -= data.numel() * data.element_size()
+                self.metrics.tier_host_drops += 1
+        self.metrics.tier_host_bytes = self._bytes

@@ -20,6 +20,8 @@ gathered element by element, layer by layer, and written through the backend's o
 (``writers``). Isolated mode's key temperature divides K as it is copied (V as is). Blend mode's
 copies (``copy_slots_rotated``) rotate K on the way (``rope.KeyRotation``): on an affine layout K
 is gathered for all layers and tokens at once, rotated and scattered; V is copied as is.
+``read_slots`` and ``write_slots`` split a copy in two (every layer's K/V of some slots out as one
+tensor, and in at other slots, K through a function such as a rotation): a host-memory entry's payload.
 
 A seventh layout is vllm-ascend's: each layer's cache is a pair ``(k_cache, v_cache)`` of separate
 tensors ``[blocks, block_size, heads, head_size]`` (``NPUModelRunner._reshape_kv_cache_tensors``)
@@ -115,7 +117,7 @@ class KVSlotMap:
 
     def value_offsets(self, slots: np.ndarray) -> torch.Tensor:
         """Flat storage offsets [n * heads * head_size] of the values of the given slots."""
-        return self.offsets(slots).view(len(slots), 2, -1)[:, 1].flatten()
+        return self.offsets(slots).view(len(slots), 2, self.coords[0, 0].numel())[:, 1].flatten()
 
     def key_offsets(self, slots: np.ndarray) -> torch.Tensor:
         """Flat storage offsets [n, heads, head_size] of the keys of the given slots."""
@@ -229,11 +231,16 @@ class KVCopier:
             moved = view[..., sb, so, :, :]
             view[..., db, do, :, :] = moved if divisor == 1 else moved / divisor
 
-    def _indices(self, src: np.ndarray, dst: np.ndarray) -> tuple[torch.Tensor, ...]:
-        """(block, offset) of each slot of ``src`` and of ``dst``, on the caches' device."""
+    def _indices(self, *slot_lists: np.ndarray) -> tuple[torch.Tensor, ...]:
+        """(block, offset) of each slot of each of ``slot_lists`` (e.g. src, dst), on the caches' device."""
         bs, device = self.slot_map.block_size, self.device
         return tuple(torch.from_numpy(x).to(device, non_blocking=True)
-                     for x in (*_block_offset(src, bs), *_block_offset(dst, bs)))
+                     for slots in slot_lists for x in _block_offset(slots, bs))
+
+    def _flat_offsets(self, slots: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Storage offsets [n, heads, head_size] of the K and of the V of ``slots``, on the caches' device."""
+        m, shape = self.slot_map, self.slot_map.coords.shape[2:]
+        return m.key_offsets(slots).to(self.device), m.value_offsets(slots).view(len(slots), *shape).to(self.device)
 
     def _copy_runs(self, src: np.ndarray, dst: np.ndarray, views: list[torch.Tensor], divisor: float = 1.0) -> None:
         bs = self.slot_map.block_size
@@ -260,10 +267,8 @@ class KVCopier:
         """Every layer's K and V of slots ``src`` to ``dst`` on a layout that is not affine: gathered
         element by element, K through ``key`` (a function of [n, heads, head_size]) when given, and
         written through the backend's write op (without one, element by element)."""
-        device, n, shape = self.device, len(src), self.slot_map.coords.shape[2:]
-        k_src, k_dst = (self.slot_map.key_offsets(s).to(device) for s in (src, dst))
-        v_src, v_dst = (self.slot_map.value_offsets(s).view(n, *shape).to(device) for s in (src, dst))
-        where = torch.from_numpy(np.asarray(dst, np.int64)).to(device)
+        (k_src, v_src), (k_dst, v_dst) = self._flat_offsets(src), self._flat_offsets(dst)
+        where = torch.from_numpy(np.asarray(dst, np.int64)).to(self.device)
         for layer, cache in enumerate(self.caches):
             flat_k, flat_v = _flats(cache)
             keys, values = flat_k[k_src], flat_v[v_src]
@@ -272,6 +277,46 @@ class KVCopier:
                 flat_k[k_dst], flat_v[v_dst] = keys, values
             else:
                 self.writers[layer](keys, values, cache, where)
+
+    def read_slots(self, slots: np.ndarray) -> torch.Tensor:
+        """Every layer's K and V of ``slots``, as a tensor [layers, 2 (K/V), n, heads, head_size] on the
+        caches' device (a copy, contiguous): a host-memory entry's payload (``HostTier``), read once from
+        the pool's blocks."""
+        n, shape = len(slots), self.slot_map.coords.shape[2:]
+        if self.views is None:
+            offsets = self._flat_offsets(slots)
+            parts = [flat[at] for cache in self.caches for flat, at in zip(_flats(cache), offsets)]
+        else:  # per layer (or once for all), K's view then V's: the stack below is layer-major
+            blocks, offsets = self._indices(slots)
+            half = len(self.views) // 2
+            parts = [view[..., blocks, offsets, :, :] for layer in range(half) for view in self.views[layer::half]]
+        return torch.stack(parts, -4).view(len(self.caches), 2, n, *shape)
+
+    def write_slots(self, data: torch.Tensor, dst: np.ndarray, key=None) -> None:
+        """Writes ``data`` ([layers, 2, n, heads, head_size], as ``read_slots`` gives it, on any device:
+        moved to the caches' device) into slots ``dst`` of every layer, K through ``key`` (a function of a
+        K tensor [..., n, heads, head_size] returning the same shape, e.g. a key temperature's division or
+        ``rope.KeyRotation.rotate(k, deltas)``) when given; V as is. On a layout that is not affine, through
+        the backend's write op when there is one (as ``_move`` does), else element by element."""
+        if not len(dst):
+            return
+        data = data.to(self.device)
+        keys, values = data[:, 0] if key is None else key(data[:, 0]), data[:, 1]
+        if self.views is None:
+            k_at, v_at = self._flat_offsets(dst)
+            where = torch.from_numpy(np.asarray(dst, np.int64)).to(self.device)
+            for layer, cache in enumerate(self.caches):
+                if self.writers is None:
+                    flat_k, flat_v = _flats(cache)
+                    flat_k[k_at], flat_v[v_at] = keys[layer], values[layer]
+                else:
+                    self.writers[layer](keys[layer], values[layer], cache, where)
+            return
+        blocks, offsets = self._indices(dst)
+        half = len(self.views) // 2
+        for kind, part in enumerate((keys, values)):
+            for layer, view in enumerate(self.views[kind * half:(kind + 1) * half]):
+                view[..., blocks, offsets, :, :] = part if self.layer_stride is not None else part[layer]
 
     def read_keys(self, layer: int, slots: np.ndarray) -> torch.Tensor:
         """K of ``slots`` at ``layer``: [n, heads, head_size] (a copy)."""

@@ -98,6 +98,7 @@ class ChunkEngine:
         if self.loads and so.finished_req_ids:
             self._drop_loads(so.finished_req_ids)
         work = work_of(so.kv_connector_metadata)
+        self.runner.drop_host(work.host_drops)
         self._register(so, work.requests)
         self.runner.add_jobs(work.jobs)
         self.runner.count(work.counts)

@@ -63,6 +63,7 @@ import dataclasses
 
 from graphchunk.cache.chunk_cache import ScheduledPrompt
 from graphchunk.cache.context_plan import ContextPlanner, EntryCapture, MissJob, RequestPlan, UnitCopy
+from graphchunk.cache.host_index import HostIndex
 from graphchunk.cache.keys import KeySpace
 from graphchunk.cache.pool import ChunkPool
 from graphchunk.config import GraphChunkConfig
@@ -90,6 +91,8 @@ class PoolHandshake:
     """Why blend mode cannot run on this model (None: it can)."""
     check_refusal: str | None
     """Why CacheBlend's check pass cannot run (None: it can)."""
+    host_tokens: int = 0
+    """Tokens of KV the workers' host memory holds (``host_bytes``; 0: no host level)."""
 
     def runs(self, request: ChunkRequest) -> bool:
         """Whether the workers run ``request`` as segmented (else vLLM computes its full prefill)."""
@@ -135,6 +138,8 @@ class StepWork:
     requests: tuple[tuple[str, ChunkRequest], ...] = ()
     """The step's new requests (vLLM's ``scheduled_new_reqs``) that run segmented, as the scheduler
     read them: the workers hold these instead of reading each request again."""
+    host_drops: tuple[int, ...] = ()
+    """Host payloads to free (their epochs), before anything of the step runs (``HostIndex.take_drops``)."""
 
 
 def computed_before(so) -> dict[str, int]:
@@ -151,7 +156,8 @@ class ContextScheduler:
         self.metrics = CacheMetrics()
         pool = ChunkPool(handshake.num_blocks, handshake.block_size, handshake.first_block, self.metrics,
                          policy=config.eviction)
-        self.planner = ContextPlanner(pool, handshake.space)
+        host = HostIndex(handshake.host_tokens) if handshake.host_tokens else None
+        self.planner = ContextPlanner(pool, handshake.space, host)
         self.events = PoolEvents(handshake.block_size)
         pool.listener = self.events
         path = engine_metrics_file(engine)
@@ -232,7 +238,7 @@ class ContextScheduler:
         captures = self._captures(so) if self.admission.capturing else ()
         self.publish()
         work = StepWork(tuple(self._jobs), tuple(self._fills), tuple(self._loads), tuple(self._counts), captures,
-                        self._segmented(so.scheduled_new_reqs))
+                        self._segmented(so.scheduled_new_reqs), self.planner.take_host_drops())
         self._fills, self._loads = [], []
         for plan in self._sent:
             self.planner.release(plan)
@@ -310,6 +316,7 @@ class ContextScheduler:
         self._publish_if_idle()
 
     def reset(self) -> int:
+        """Drops the pool's unused entries (host memory keeps its own, as before the reset)."""
         return self.pool.clear()
 
     def take_events(self) -> list:

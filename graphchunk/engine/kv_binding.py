@@ -4,7 +4,7 @@
 ``num_blocks``, so vLLM never hands them to a request. Once vLLM allocated it, ``bind_engine``
 probes the attention backend's block layout (``kv_layout``: a layer's one cache tensor is probed on
 a scratch; vllm-ascend's ``(k_cache, v_cache)`` pair is mapped from its strides, since its
-attention keeps the first caches its write op is handed), and builds the pool, the tier below it
+attention keeps the first caches its write op is handed), and builds the pool, the levels below it
 (``host_bytes``' host memory, ``store_path``'s directory), blend's key rotation and the engine
 holding them. Anything the loaded model or
 layout cannot support is refused here, at start-up.
@@ -71,17 +71,20 @@ def bind_engine(runner, config: GraphChunkConfig, first_pool_block: int) -> Chun
     metrics = CacheMetrics()
     block_size = runner.cache_config.block_size
     pool_blocks = config.pool_blocks(block_size)
-    tier = _tier(runner, config, layers, copier, slot_map, metrics) if config.tiered else None
-    store = tier.store if tier else None
+    store = _store(runner, config, layers, copier, slot_map, metrics) if config.store_path else None
+    tier = Tier(store, metrics, all_ranks=_tp_all_ranks()) if store else None
+    host, host_tokens = _host(runner, config, layers, slot_map, metrics)
     model = runner.model_config
     # With a directory, keys name the weights (shared with other servers), else the model's path.
     space = KeySpace(model=store.identity.weights_digest if store else f"{model.model}@{model.revision or ''}",
                      dtype=str(model.dtype), parallel_layout=_parallel_layout(runner.parallel_config),
                      blend_prefix=blend_prefix_tokens(model, config.blend_prefix))
     max_tokens = runner.scheduler_config.max_num_batched_tokens
-    context_runner = ContextRunner(block_size, max_tokens, metrics, check_layer=config.check_layer, tier=tier)
+    context_runner = ContextRunner(block_size, max_tokens, metrics, check_layer=config.check_layer, tier=tier,
+                                   host=host)
     blend = BlendSupport.of(runner.model, model.max_model_len, config)
-    handshake = PoolHandshake(first_pool_block, pool_blocks, block_size, space, blend.refusal, blend.check_refusal)
+    handshake = PoolHandshake(first_pool_block, pool_blocks, block_size, space, blend.refusal, blend.check_refusal,
+                              host_tokens)
     counts = BucketCounts(load_grid(config.templates), metrics) if config.templates else None
     path = engine_metrics_file(runner.parallel_config.data_parallel_index)
     logger.info("graphchunk: chunk pool of %d blocks (%d tokens) at block ids [%d, %d)", pool_blocks,
@@ -151,16 +154,18 @@ def probe_kv_layout(layer, spec, block_dim: int, num_blocks: int) -> KVSlotMap:
     return slot_map
 
 
-def _tier(runner, config: GraphChunkConfig, layers, copier: KVCopier, slot_map: KVSlotMap,
-          metrics: CacheMetrics) -> Tier:
-    """The tier below the pool: host memory (``host_bytes``, pinned on CUDA), the directory
-    (``store_path``), or both."""
-    host = HostTier(config.host_bytes, metrics, pin=runner.device.type == "cuda") if config.host_bytes else None
-    store = _store(runner, config, layers, copier, slot_map, metrics) if config.store_path else None
-    if host is not None:
-        logger.info("graphchunk: host-memory chunk tier of %.1f GiB%s", host.budget / 2**30,
-                    " (pinned)" if host.pin else "")
-    return Tier(host, store, metrics, all_ranks=_tp_all_ranks())
+def _host(runner, config: GraphChunkConfig, layers, slot_map: KVSlotMap,
+          metrics: CacheMetrics) -> tuple[HostTier | None, int]:
+    """Host memory below the pool (``host_bytes``, pinned on CUDA) and the tokens of KV it holds
+    (what the scheduler's index budgets: every layer's K and V of a token, this rank's heads)."""
+    if not config.host_bytes:
+        return None, 0
+    cache = layers[0].kv_cache if isinstance(layers[0].kv_cache, torch.Tensor) else layers[0].kv_cache[0]
+    per_token = len(layers) * 2 * int(slot_map.coords[0, 0].numel()) * cache.element_size()
+    host = HostTier(config.host_bytes, metrics, pin=runner.device.type == "cuda", all_ranks=_tp_all_ranks())
+    logger.info("graphchunk: host-memory chunk tier of %.1f GiB (%d tokens of KV)%s", host.budget / 2**30,
+                config.host_bytes // per_token, " (pinned)" if host.pin else "")
+    return host, config.host_bytes // per_token
 
 
 def _store(runner, config: GraphChunkConfig, layers, copier: KVCopier, slot_map: KVSlotMap,

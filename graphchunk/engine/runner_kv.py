@@ -136,9 +136,7 @@ class RunnerKV:
         self.copier.copy_slots(src_slots, dst_slots, key_temperature)
 
     def copy_slots_rotated(self, src_slots: np.ndarray, dst_slots: np.ndarray, deltas: np.ndarray) -> None:
-        if self.blend.rotation is None:
-            raise ConfigError(f"graphchunk blend mode is not available for this model: {self.blend.refusal}")
-        self.copier.copy_slots_rotated(src_slots, dst_slots, deltas, self.blend.rotation)
+        self.copier.copy_slots_rotated(src_slots, dst_slots, deltas, self._rotation())
 
     def read_keys(self, layer: int, slots: np.ndarray) -> torch.Tensor:
         return self.copier.read_keys(layer, slots)
@@ -148,6 +146,24 @@ class RunnerKV:
 
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         self.copier.write_blocks(block_ids, data)
+
+    def read_slots(self, slots: np.ndarray) -> torch.Tensor:
+        return self.copier.read_slots(slots).cpu()
+
+    def write_slots(self, data: torch.Tensor, dst_slots: np.ndarray, key_temperature: float = 1.0,
+                    deltas: np.ndarray | None = None) -> None:
+        key = None
+        if deltas is not None:
+            rotation, moves = self._rotation(), torch.from_numpy(np.asarray(deltas, np.int64))
+            key = lambda keys: rotation.rotate(keys, moves)  # noqa: E731
+        elif key_temperature != 1:
+            key = lambda keys: keys / key_temperature  # noqa: E731
+        self.copier.write_slots(data, dst_slots, key)
+
+    def _rotation(self):
+        if self.blend.rotation is None:
+            raise ConfigError(f"graphchunk blend mode is not available for this model: {self.blend.refusal}")
+        return self.blend.rotation
 
 
 @contextlib.contextmanager
