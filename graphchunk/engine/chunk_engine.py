@@ -11,6 +11,7 @@ and the segmented requests the worker holds. vLLM's hooks call it in step order:
                       asynchronous loads, reported loaded unfilled: vLLM frees the blocks of a
                       request that left while it waited only once its load is reported), takes
                       the step's work from graphchunk's connector metadata (``context_scheduler``:
+                      the host payloads the scheduler dropped, freed first;
                       the new segmented requests as the scheduler read them, jobs, fills,
                       asynchronous loads), computes misses up to the step's budget
                       (``graphchunk.miss_budget``), fills the asynchronous loads whose jobs have

@@ -48,6 +48,12 @@ holds its entries until the workers can no longer run it late:
 - a job holds its entry (and an isolated chunk's job its sys entry) until the workers report it
   run (``reported``: the first unfinished job, the smallest over tensor-parallel ranks).
 
+Host memory (``host_bytes``) keeps the same rule for its payloads: *no payload is dropped while a
+copy or job planned from it is outstanding.* Plans and jobs hold host entries as they hold pool
+entries (``host_index.py``), only an entry nothing holds is dropped, and the drops travel with the
+step's metadata (``StepWork.host_drops``), which the workers apply before anything of that step
+runs: every copy planned earlier has run by then.
+
 Preemption needs nothing more: a preempted request holds no plan (its fill ran), and when vLLM
 schedules it again it is planned afresh from its new prefix hit. The workers check every copy
 against the entry's epoch anyway (``context_run.py``): should this ever be wrong, the request
