@@ -460,3 +460,69 @@ def test_a_job_reading_blocks_that_changed_poisons_its_entry():
     assert cc.runner.fill([(prompt, chunk_unit)], device) == []
     assert cc.runner.take_invalid() == set(prompt.block_ids[chunk_unit[0].lo // BS:])
     assert cc.runner.take_failed() == {chunk_job.epoch, sys_job.epoch}  # what it read leaves the index too
+
+
+# --- host memory's check: a copy reads only a payload that is there (context_run.py) -------------
+
+def host_cache(num_blocks=64):
+    metrics = CacheMetrics()
+    return ChunkCache(ChunkPool(num_blocks, BS, first_block_id=1000, metrics=metrics), KeySpace("m", "f32"), 1000,
+                      host=HostTier(1 << 20, metrics), host_tokens=1 << 17)
+
+
+def from_host(cc, seg, device):
+    """``seg``'s context computed (and saved to host memory), the pool emptied: a new plan of it
+    copies its chunks from host memory and loads its sys prompt from there (its jobs not yet run)."""
+    cc.materialize([ScheduledPrompt(seg, None, 0, seg.layout.num_tokens, request_blocks(0, seg))], device)
+    cc.pool.clear()
+    plan = cc.planner.plan(seg, None, "isolated", 0, seg.layout.context_len)
+    assert [u.host for u in plan.units] == [False] + [True] * seg.layout.num_chunks
+    assert [job.host_source >= 0 for job in plan.jobs] == [True]  # the sys prompt, into the pool
+    return ScheduledPrompt(seg, None, 0, seg.layout.num_tokens, request_blocks(200, seg)), plan
+
+
+def test_a_copy_from_a_host_payload_that_is_gone_plans_the_request_again():
+    """A host entry the index holds ready but whose payload a worker lacks (a save that failed):
+    the copy does not run, the request's blocks from its first chunk on are reported invalid, the
+    request planned again, and the entry leaves the index: the next plan computes the chunk."""
+    a = make_prompt(3, [5, 6])
+    device, cc = FakeDevice(), host_cache()
+    prompt, plan = from_host(cc, a, device)
+    cc.runner.add_jobs(plan.jobs)
+    cc.runner.run_jobs(device)
+    cc.planner.finish_jobs(cc.runner.done_before)
+    gone = plan.units[2]
+    cc.runner.host.drop([gone.epoch])
+    assert cc.runner.fill([(prompt, plan.units)], device) == []
+    assert cc.runner.take_invalid() == set(prompt.block_ids[plan.units[1].lo // BS:])
+    assert cc.runner.take_refill() == {""} and cc.runner.take_failed() == {gone.epoch}
+    cc.planner.fail_entries({gone.epoch})
+    cc.planner.release(plan)
+    cc.planner.host.check_invariants()
+    again = cc.planner.plan(a, None, "isolated", 0, a.layout.context_len)
+    assert [u.host for u in again.units] == [False, True, False] and len(again.jobs) == 1  # chunk 1 computed
+    cc.runner.drop_host(cc.planner.take_host_drops())
+    assert cc.runner.host.get(gone.epoch) is None and cc.runner.host.get(plan.units[1].epoch) is not None
+
+
+def test_a_sys_prompt_whose_payload_is_gone_is_computed_instead():
+    """A sys prompt's job that would load from host memory finds its payload gone: it computes the
+    entry instead (exact: the chunks copied behind it read the same KV) and reports the payload, so
+    that the index forgets it."""
+    a = make_prompt(6, [5, 6])
+    device, cc = FakeDevice(), host_cache()
+    prompt, plan = from_host(cc, a, device)
+    (job,) = plan.jobs
+    cc.runner.host.drop([job.host_source])
+    computed = device.forward_tokens
+    cc.runner.add_jobs(plan.jobs)
+    cc.runner.run_jobs(device)
+    cc.planner.finish_jobs(cc.runner.done_before)
+    assert device.forward_tokens == computed + a.layout.sys_len
+    assert cc.runner.take_failed() == {job.host_source}
+    assert cc.runner.fill([(prompt, plan.units)], device) == [prompt]
+    check_context(device, prompt)
+    cc.planner.release(plan)
+    cc.planner.fail_entries({job.host_source})
+    cc.planner.host.check_invariants()
+    assert not cc.planner.host.contains(*cc.planner._identity(a, None, "isolated", None))
