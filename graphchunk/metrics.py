@@ -88,9 +88,11 @@ class CacheMetrics:
     tier_read_seconds: float = _counter("Time spent loading tier files", 0.0)
     tier_write_seconds: float = _counter("Time spent writing tier files", 0.0)
     tier_bytes: int = _gauge("Bytes of tier files in the store directory (as of this server's last count)")
-    tier_host_hits: int = _counter("Tier loads served from host memory (chunks copied into the request, sys prompts into the pool)")
+    tier_host_hits: int = _counter("Tier loads served from host memory (chunks copied into the request, "
+                                   "sys prompts into the pool)")
     tier_host_bytes: int = _gauge("Bytes of payloads in the host-memory tier")
-    tier_host_drops: int = _counter("Entries host memory dropped (for room, least recently used first; or found missing)")
+    tier_host_drops: int = _counter("Entries host memory dropped (for room, least recently used first; "
+                                    "or found missing)")
     documents_unchunked: int = _counter("Documents requests graphchunk could not chunk that ran as ordinary "
                                         "prompts (documents_fallback='ordinary')")
     pool_refs_held: int = _gauge("References held on pool entries by requests waiting for their misses and by "

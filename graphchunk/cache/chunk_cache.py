@@ -2,9 +2,10 @@
 
 For every segmented request whose scheduled range ``[start, end)`` overlaps its context
 ``[0, C)`` (C = S + sum L_i): acquire pool entries for its sys prompt and chunks, compute the
-misses (or load them from the directory, ``tier.py``, or host memory, ``host_tier.py``), and copy the KV of the context tokens in
-``[start, min(end, C))`` into the request's own slots; blend requests then recompute the tokens
-their policy picks. The plan is ``context_plan.py``'s, the run ``context_run.py``'s.
+misses (or load them from the directory, ``tier.py``, or host memory, ``host_tier.py``), and copy
+the KV of the context tokens in ``[start, min(end, C))`` into the request's own slots; blend
+requests then recompute the tokens their policy picks. The plan is ``context_plan.py``'s, the run
+``context_run.py``'s.
 
 In an engine the two halves live apart: vLLM's scheduler process plans (graphchunk's KV
 connector, ``engine/connector.py``, holds the one pool index) and every worker runs the plans,

@@ -25,10 +25,10 @@ References: a plan holds one on each of its entries until its copies have been s
 (``release``), a job one on its entry (and an isolated chunk's job one on its sys entry) until it
 has run; eviction (``pool.py``) only takes unreferenced ready entries, so no block is reused while
 anything will still read or write it. When a plan may be released is the caller's rule (the
-invariant in ``engine/context_scheduler.py``). Host entries are held alike (``HostIndex``). Every entry carries an epoch, unique per insert,
-that its job and every copy from it name (``MissJob.epoch``, ``UnitCopy.epoch``): the workers
-check them. ``plan`` raises ``PoolExhausted`` (having undone itself) when the entries in use
-leave no room.
+invariant in ``engine/context_scheduler.py``); host entries are held alike (``HostIndex``). Every
+entry carries an epoch, unique per insert, that its job and every copy from it name
+(``MissJob.epoch``, ``UnitCopy.epoch``): the workers check them. ``plan`` raises ``PoolExhausted``
+(having undone itself) when the entries in use leave no room.
 """
 from __future__ import annotations
 
@@ -331,8 +331,8 @@ class ContextPlanner:
 
     def _acquire_chunk(self, seg, i, sys_entry, salt, mode, plan: RequestPlan) -> tuple[PoolEntry | HostEntry, int]:
         """The chunk's entry and the slot offset of its first token in the entry's blocks; a host
-        entry (its payload starting there) when the pool misses and host memory holds it. The metrics count chunk
-        lookups only (a sys prompt is looked up once per chunk it precedes).
+        entry (its payload starting there) when the pool misses and host memory holds it. The
+        metrics count chunk lookups only (a sys prompt is looked up once per chunk it precedes).
 
         Isolated: the entry holds ``sys ‖ chunk``'s KV from the sys prompt's partial last block on.
         Blend: ``blend_prefix ‖ chunk`` at positions [0, m + L) from the first slot, the chunk's first

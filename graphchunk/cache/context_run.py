@@ -30,11 +30,12 @@ Every read is checked against what was planned, at no cost worth measuring (a co
 block): a job stamps its entry's blocks with the entry's epoch (``PoolEntry.epoch``) as it starts
 writing them, and a copy (``UnitCopy.epoch``) or a job reading another entry (``MissJob.reads``)
 runs only where the blocks still carry the planned epoch (a host unit, where host memory holds
-its payload). A request whose copy would read anything else is not filled: its own blocks from the first affected one on are reported invalid
-(``take_invalid``: the scheduler's connector evicts them from vLLM's prefix cache whatever state
-their request is in) and the request is reported for a new plan (``take_refill``: the scheduler's
-connector puts it back in vLLM's queue, ``engine/fill_retry.py``), and a job whose input is wrong
-stamps its entry ``POISONED``, so that every copy from it fails the same way. Either way the
+its payload). A request whose copy would read anything else is not filled: its own blocks from the
+first affected one on are reported invalid (``take_invalid``: the scheduler's connector evicts them
+from vLLM's prefix cache whatever state their request is in) and the request is reported for a new
+plan (``take_refill``: the scheduler's connector puts it back in vLLM's queue,
+``engine/fill_retry.py``), and a job whose input is wrong stamps its entry ``POISONED``, so that
+every copy from it fails the same way. Either way the
 entry is reported (``take_failed``; a poisoned job's input entry too) and leaves the pool's index
 at once: the request's next plan computes it again. With the scheduler's lifetimes right
 (``engine/context_scheduler.py``) this never fires; it makes a lifetime bug a slower answer
@@ -330,8 +331,9 @@ class ContextRunner:
         self.failed.update(unit.epoch for unit in bad)
         self.refill.add(prompt.req_id)
         self.invalid.update(prompt.block_ids[first:])
-        logger.warning("graphchunk: a context fill of request %s would copy pool blocks %s ([]: host memory) that do not "
-                       "hold the entries it was planned from (epochs %s, found %s); it is planned again instead of reading them",
+        logger.warning("graphchunk: a context fill of request %s would copy pool blocks %s ([]: host memory) that "
+                       "do not hold the entries it was planned from (epochs %s, found %s); it is planned again "
+                       "instead of reading them",
                        prompt.req_id, [list(u.entry_blocks) for u in bad], [u.epoch for u in bad],
                        [[self.epochs.get(b) for b in u.entry_blocks] for u in bad])
         return False
@@ -351,9 +353,10 @@ class ContextRunner:
 
 def unit_slots(requests: Sequence[tuple[object, Sequence[UnitCopy]]], block_size: int, source: bool = True):
     """Per token of every unit, in request and unit order: (source slot in the entry's blocks (None
-    without ``source``: host units), destination slot in the request's, rotated (blend), the key temperature of a plain copy (a
-    chunk's: the request's; a sys prompt's: 1), the rotation's delta); None without units. Python
-    reads each unit once; the slots come from array operations over the step's tokens together."""
+    without ``source``: host units), destination slot in the request's, rotated (blend), the key
+    temperature of a plain copy (a chunk's: the request's; a sys prompt's: 1), the rotation's
+    delta); None without units. Python reads each unit once; the slots come from array operations
+    over the step's tokens together."""
     units = [(index, unit) for index, (_, request_units) in enumerate(requests) for unit in request_units]
     if not units:
         return None

@@ -161,11 +161,11 @@ def _host(runner, config: GraphChunkConfig, layers, slot_map: KVSlotMap,
     if not config.host_bytes:
         return None, 0
     cache = layers[0].kv_cache if isinstance(layers[0].kv_cache, torch.Tensor) else layers[0].kv_cache[0]
-    per_token = len(layers) * 2 * int(slot_map.coords[0, 0].numel()) * cache.element_size()
+    tokens = config.host_bytes // (len(layers) * 2 * int(slot_map.coords[0, 0].numel()) * cache.element_size())
     host = HostTier(config.host_bytes, metrics, pin=runner.device.type == "cuda", all_ranks=_tp_all_ranks())
-    logger.info("graphchunk: host-memory chunk tier of %.1f GiB (%d tokens of KV)%s", host.budget / 2**30,
-                config.host_bytes // per_token, " (pinned)" if host.pin else "")
-    return host, config.host_bytes // per_token
+    logger.info("graphchunk: host-memory chunk tier of %.1f GiB (%d tokens of KV)%s", host.budget / 2**30, tokens,
+                " (pinned)" if host.pin else "")
+    return host, tokens
 
 
 def _store(runner, config: GraphChunkConfig, layers, copier: KVCopier, slot_map: KVSlotMap,

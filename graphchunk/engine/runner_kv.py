@@ -148,7 +148,14 @@ class RunnerKV:
         self.copier.write_blocks(block_ids, data)
 
     def read_slots(self, slots: np.ndarray) -> torch.Tensor:
-        return self.copier.read_slots(slots).cpu()
+        """On CUDA straight into pinned memory, which host memory keeps as it is (one device-to-host
+        copy, not a copy to pageable memory and another to pinned)."""
+        data = self.copier.read_slots(slots)
+        if data.device.type != "cuda":
+            return data.cpu()
+        pinned = torch.empty(data.shape, dtype=data.dtype, pin_memory=True)
+        pinned.copy_(data)
+        return pinned
 
     def write_slots(self, data: torch.Tensor, dst_slots: np.ndarray, key_temperature: float = 1.0,
                     deltas: np.ndarray | None = None) -> None:
